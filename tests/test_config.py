@@ -1,0 +1,93 @@
+"""Config loading: order of precedence, every preset, and the promised error messages."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tpe_train.config import PRESET_DIR, Config, ConfigError, describe, load_config
+
+PRESETS = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+
+
+def test_defaults_preset_overrides_in_order() -> None:
+    cfg = load_config("demo", ["model.position.kind=rope", "train.max_steps=200"])
+    assert cfg.model.position.kind == "rope"
+    assert cfg.train.max_steps == 200
+    assert cfg.model.d_model == 128  # from the preset
+    assert cfg.train.adam_betas == (0.9, 0.98)  # default
+    assert cfg.preset == "demo"
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_every_preset_loads_and_validates(preset: str) -> None:
+    cfg = load_config(preset)
+    assert isinstance(cfg, Config)
+    assert Config.model_validate(cfg.model_dump()) == cfg  # YAML round trip is lossless
+
+
+def test_preset_can_be_a_path_and_inherit(tmp_path: Path) -> None:
+    child = tmp_path / "child.yaml"
+    child.write_text("base: demo\nmodel:\n  n_heads: 8\n")
+    cfg = load_config(str(child))
+    assert cfg.model.n_heads == 8 and cfg.model.d_model == 128
+
+
+def test_resolved_config_round_trips_through_yaml() -> None:
+    import yaml
+
+    cfg = load_config("demo", ["model.position.kind=t5"])
+    assert Config.model_validate(yaml.safe_load(cfg.to_yaml())) == cfg
+
+
+ERRORS = [
+    (["model.position.kind=rotary"], "model.position.kind='rotary' is not a position encoding; choose"),
+    (["model.position.cross=rotary"], "model.position.cross='rotary'"),
+    (["model.n_heds=4"], "unknown key 'model.n_heds' in section 'model'; valid keys are: d_model, n_heads"),
+    (["trian.max_steps=4"], "unknown key 'trian'"),
+    (["train.max_steps=abc"], "train.max_steps"),
+    (["train.max_steps=0"], "train.max_steps"),
+    (["model.d_model=100", "model.n_heads=8"], "model.d_model (100) is not divisible by model.n_heads (8)"),
+    (
+        ["model.position.kind=learned", "model.position.max_positions=50", "data.max_len=100"],
+        "max_positions (50) is shorter than the longest training sequence",
+    ),
+    (["model.position.kind=rope", "model.d_model=12", "model.n_heads=4"], "rope needs an even head"),
+    (["data.synthetic.max_words=60", "data.synthetic.long_max_words=50"], "max_words < long_max_words"),
+    (["train.max_steps"], "overrides are KEY=VALUE"),
+]
+
+
+@pytest.mark.parametrize(("overrides", "message"), ERRORS)
+def test_config_errors_name_the_key(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config("demo", overrides)
+    assert message in str(err.value)
+
+
+def test_unknown_preset_lists_presets() -> None:
+    with pytest.raises(ConfigError, match="demo"):
+        load_config("no-such-preset")
+
+
+def test_cli_error_is_one_message_without_traceback(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpe_train.train", "model.n_heads=5", f"train.run_dir={tmp_path}/r"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "model.d_model (128) is not divisible by model.n_heads (5)" in proc.stderr
+    assert not (tmp_path / "r").exists()  # nothing started
+
+
+def test_every_key_is_documented() -> None:
+    rows = describe()
+    assert len(rows) > 40
+    undocumented = [key for key, _, doc in rows if not doc]
+    assert undocumented == []

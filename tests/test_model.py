@@ -1,0 +1,109 @@
+"""Model contracts: permutation equivariance without positions, incremental decoding equals the
+full pass, beam 1 equals greedy, a tiny model overfits a tiny batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import KINDS, tiny_model
+
+from tpe_train.model.generate import beam_search, greedy
+from tpe_train.model.transformer import label_smoothed_loss
+
+
+def test_none_encoder_is_permutation_equivariant() -> None:
+    model = tiny_model("none")
+    src = torch.randint(3, 40, (2, 9))
+    perm = torch.randperm(9)
+    out = model.encode(src).states
+    out_perm = model.encode(src[:, perm]).states
+    torch.testing.assert_close(out_perm, out[:, perm], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "none"])
+def test_positions_break_permutation_equivariance(kind: str) -> None:
+    model = tiny_model(kind)
+    src = torch.randint(3, 40, (1, 9))
+    # Swap two tokens. (Not a reversal: the symmetric ALiBi encoder is blind to reversal, which
+    # keeps every |i - j|.)
+    perm = torch.tensor([3, 1, 2, 0, 4, 5, 6, 7, 8])
+    out = model.encode(src).states
+    assert not torch.allclose(model.encode(src[:, perm]).states, out[:, perm], atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "shaw+values"])
+@pytest.mark.parametrize("pre_norm", [False, True])
+def test_incremental_decoding_equals_full_pass(kind: str, pre_norm: bool) -> None:
+    if kind == "shaw+values":
+        model = tiny_model("shaw", shaw_values=True, pre_norm=pre_norm)
+        torch.nn.init.normal_(model.decoder.positions[0].values)  # zero at init
+    else:
+        model = tiny_model(kind, pre_norm=pre_norm)
+    src = torch.randint(3, 40, (3, 7))
+    src[1, 5:] = 0  # padding
+    tgt = torch.randint(3, 40, (3, 6))
+    memory = model.encode(src)
+    full = model.decode(tgt, memory)
+    cache = model.new_cache()
+    steps = [model.decode(tgt[:, i : i + 1], memory, cache) for i in range(tgt.shape[1])]
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+    # also in chunks (a prefix, then one token at a time)
+    cache = model.new_cache()
+    chunk = [model.decode(tgt[:, :3], memory, cache)] + [
+        model.decode(tgt[:, i : i + 1], memory, cache) for i in range(3, 6)
+    ]
+    torch.testing.assert_close(torch.cat(chunk, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_beam_one_equals_greedy(kind: str) -> None:
+    model = tiny_model(kind)
+    src = torch.randint(3, 40, (4, 6))
+    src[2, 4:] = 0
+    assert beam_search(model, src, beam=1, max_len_b=10) == greedy(model, src, max_len_b=10)
+
+
+def test_beam_search_respects_length_limit_and_finds_better_scores() -> None:
+    model = tiny_model("sinusoidal")
+    src = torch.randint(3, 40, (3, 5))
+    hyps = beam_search(model, src, beam=4, max_len_a=0.0, max_len_b=4)
+    assert all(len(h) <= 3 for h in hyps)  # 4 positions including EOS
+
+
+def test_learned_positions_cap_decoding_length() -> None:
+    model = tiny_model("learned")  # 64 positions
+    src = torch.randint(3, 40, (1, 10))
+    hyp = greedy(model, src, max_len_a=10.0, max_len_b=500)[0]
+    assert len(hyp) < 64
+
+
+def test_label_smoothed_loss_matches_torch() -> None:
+    logits = torch.randn(2, 5, 11)
+    target = torch.randint(1, 11, (2, 5))
+    target[0, 3:] = 0
+    loss, nll, ntok = label_smoothed_loss(logits, target, pad_id=0, epsilon=0.1)
+    ref = torch.nn.functional.cross_entropy(
+        logits.view(-1, 11), target.view(-1), ignore_index=0, label_smoothing=0.1, reduction="sum"
+    )
+    torch.testing.assert_close(loss, ref)
+    assert int(ntok) == 8
+    ref_nll = torch.nn.functional.cross_entropy(
+        logits.view(-1, 11), target.view(-1), ignore_index=0, reduction="sum"
+    )
+    torch.testing.assert_close(nll, ref_nll)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tiny_model_overfits_a_tiny_batch(kind: str) -> None:
+    model = tiny_model(kind)
+    model.train()
+    src = torch.randint(3, 40, (4, 6))
+    tgt_out = torch.cat([src.flip(1), torch.full((4, 1), 2)], dim=1)  # reversed source + EOS
+    tgt_in = torch.cat([torch.full((4, 1), 1), tgt_out[:, :-1]], dim=1)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss, _, ntok = label_smoothed_loss(model(src, tgt_in), tgt_out, 0, 0.0)
+        opt.zero_grad()
+        (loss / ntok).backward()
+        opt.step()
+    assert float(loss.detach() / ntok) < 0.05

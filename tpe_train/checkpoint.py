@@ -1,0 +1,97 @@
+"""Final checkpoints: safetensors weights + resolved config + tokenizer, written atomically.
+
+A checkpoint directory is written under a temporary name and renamed into place only when complete,
+so an interrupted save never leaves a half-written checkpoint where a reader looks.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer
+
+from tpe_train.config import Config, ConfigError, validate
+from tpe_train.data.corpus import BOS_ID, EOS_ID, PAD_ID
+from tpe_train.data.tokenizer import load_tokenizer, vocab_hash
+from tpe_train.model.transformer import Transformer
+
+WEIGHTS, CONFIG, TOKENIZER, META = (
+    "model.safetensors",
+    "config.yaml",
+    "tokenizer.json",
+    "meta.json",
+)
+
+
+def build_model(cfg: Config, tok: Tokenizer) -> Transformer:
+    """The model a config describes, over the tokenizer's vocabulary."""
+    return Transformer(cfg.model.args(tok.get_vocab_size(), PAD_ID, BOS_ID, EOS_ID))
+
+
+def save_export(directory: Path, model: Transformer, cfg: Config, tok: Tokenizer, step: int) -> Path:
+    """Write weights, config, tokenizer and metadata to ``directory`` atomically."""
+    directory = Path(directory)
+    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", "step": str(step)})
+    (tmp / CONFIG).write_text(cfg.to_yaml())
+    tok.save(str(tmp / TOKENIZER))
+    meta = {
+        "step": step,
+        "vocab_hash": vocab_hash(tok),
+        "parameters": sum(v.numel() for v in state.values()),
+    }
+    (tmp / META).write_text(json.dumps(meta, indent=2))
+    old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+    if directory.exists():
+        directory.rename(old)
+    tmp.rename(directory)
+    shutil.rmtree(old, ignore_errors=True)
+    return directory
+
+
+def load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
+    """Read a checkpoint written by ``save_export``; clear errors for anything missing or foreign."""
+    directory = Path(directory)
+    missing = [n for n in (WEIGHTS, CONFIG, TOKENIZER) if not (directory / n).is_file()]
+    if missing:
+        raise FileNotFoundError(
+            f"{directory} is not a tpe-train checkpoint: {', '.join(missing)} missing; pass the "
+            "directory written at the end of training (<run_dir>/checkpoint)"
+        )
+    import yaml
+
+    try:
+        cfg = validate(yaml.safe_load((directory / CONFIG).read_text()))
+    except ConfigError as err:
+        raise ConfigError(f"{directory / CONFIG}: {err}") from None
+    tok = load_tokenizer(directory / TOKENIZER)
+    meta_path = directory / META
+    if meta_path.is_file():
+        expected = json.loads(meta_path.read_text()).get("vocab_hash")
+        if expected and expected != vocab_hash(tok):
+            raise ValueError(
+                f"{directory / TOKENIZER} does not match the vocabulary the weights were trained "
+                "with (hash differs); restore the checkpoint's own tokenizer.json"
+            )
+    model = build_model(cfg, tok)
+    state = load_file(str(directory / WEIGHTS))
+    result = model.load_state_dict(state, strict=False)
+    if result.missing_keys or result.unexpected_keys:
+        raise ValueError(
+            f"{directory / WEIGHTS} does not fit the model of {directory / CONFIG}: missing "
+            f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}"
+        )
+    model.eval()
+    return model, cfg, tok
+
+
+def parameter_count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

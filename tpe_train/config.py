@@ -1,0 +1,395 @@
+"""Typed configuration: one section per component, loaded in one place, in one order.
+
+defaults (the classes below) < preset YAML (``configs/presets/<name>.yaml``, optionally ``base:``-chained)
+< dotted command-line overrides (``model.position.kind=rope``). Loading and merging use OmegaConf;
+typing and validation use pydantic (unknown keys, wrong types and impossible combinations are errors
+that name the key and the fix). Every field carries a one-line docstring, which is its documentation.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from tpe_train.model.args import ModelArgs
+from tpe_train.positions import POSITIONS, PositionArgs
+
+PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "presets"
+
+
+class ConfigError(ValueError):
+    """A configuration problem, with a message that names the key and the fix."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors; field docstrings are documentation."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class PositionConfig(Section):
+    kind: str = "sinusoidal"
+    """Position encoding: none, sinusoidal, learned, shaw, t5, rope or alibi."""
+    encoder: bool = True
+    """Use the encoding in encoder self-attention (false: no position information there)."""
+    decoder: bool = True
+    """Use the encoding in decoder self-attention (false: no position information there)."""
+    cross: str = "none"
+    """Encoding of decoder-encoder attention (none in all published setups)."""
+    max_positions: int = Field(1024, ge=1)
+    """learned: rows of the absolute table; the longest sequence it can represent."""
+    shaw_clip: int = Field(16, ge=1)
+    """shaw: relative distances are clipped to [-k, k]."""
+    shaw_values: bool = False
+    """shaw: also add relative value embeddings (explicit attention weights; slower)."""
+    t5_buckets: int = Field(32, ge=2)
+    """t5: number of relative-position buckets."""
+    t5_max_distance: int = Field(128, ge=2)
+    """t5: distances at or beyond this share the last bucket."""
+    rope_base: float = Field(10000.0, gt=1.0)
+    """rope: frequency base theta."""
+
+    @model_validator(mode="after")
+    def _known(self) -> PositionConfig:
+        for key in ("kind", "cross"):
+            name = getattr(self, key)
+            if name not in POSITIONS:
+                raise ValueError(
+                    f"model.position.{key}={name!r} is not a position encoding; choose one of: "
+                    f"{', '.join(POSITIONS.names())}"
+                )
+        if self.kind == "t5" and self.t5_max_distance <= self.t5_buckets // 2:
+            raise ValueError(
+                f"model.position.t5_max_distance ({self.t5_max_distance}) must exceed half of "
+                f"model.position.t5_buckets ({self.t5_buckets}); raise t5_max_distance"
+            )
+        return self
+
+
+class ModelConfig(Section):
+    d_model: int = Field(512, ge=2)
+    """Width of embeddings and residual stream."""
+    n_heads: int = Field(8, ge=1)
+    """Attention heads; must divide d_model."""
+    ffn_dim: int = Field(2048, ge=1)
+    """Inner width of the position-wise feed-forward network."""
+    encoder_layers: int = Field(6, ge=1)
+    """Encoder layers."""
+    decoder_layers: int = Field(6, ge=1)
+    """Decoder layers."""
+    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    """Dropout on embeddings and residual branches."""
+    attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on attention probabilities."""
+    activation_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout after the FFN activation."""
+    pre_norm: bool = False
+    """Pre-norm layers (LayerNorm before each sublayer) instead of the paper's post-norm."""
+    position: PositionConfig = Field(default_factory=PositionConfig)
+    """Position encoding and its parameters."""
+
+    @model_validator(mode="after")
+    def _shape(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"model.d_model ({self.d_model}) is not divisible by model.n_heads ({self.n_heads}); "
+                "choose n_heads that divides d_model"
+            )
+        uses_rope = "rope" in (self.position.kind, self.position.cross)
+        if uses_rope and (self.d_model // self.n_heads) % 2:
+            raise ValueError(
+                f"rope needs an even head dimension, but d_model/n_heads = "
+                f"{self.d_model // self.n_heads}; change model.d_model or model.n_heads"
+            )
+        return self
+
+    def args(self, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> ModelArgs:
+        """The model's own (config-free) arguments."""
+        p = self.position
+        return ModelArgs(
+            vocab_size=vocab_size,
+            pad_id=pad_id,
+            bos_id=bos_id,
+            eos_id=eos_id,
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            ffn_dim=self.ffn_dim,
+            encoder_layers=self.encoder_layers,
+            decoder_layers=self.decoder_layers,
+            dropout=self.dropout,
+            attention_dropout=self.attention_dropout,
+            activation_dropout=self.activation_dropout,
+            pre_norm=self.pre_norm,
+            encoder_position=p.kind if p.encoder else "none",
+            decoder_position=p.kind if p.decoder else "none",
+            cross_position=p.cross,
+            position=PositionArgs(
+                d_model=self.d_model,
+                n_heads=self.n_heads,
+                causal=False,
+                max_positions=p.max_positions,
+                shaw_clip=p.shaw_clip,
+                shaw_values=p.shaw_values,
+                t5_buckets=p.t5_buckets,
+                t5_max_distance=p.t5_max_distance,
+                rope_base=p.rope_base,
+            ),
+        )
+
+
+class SyntheticConfig(Section):
+    seed: int = 1234
+    """Seed of the generator (the corpus is a pure function of this section)."""
+    train_size: int = Field(30000, ge=1)
+    """Training pairs."""
+    valid_size: int = Field(500, ge=1)
+    """Validation pairs (same length range as training)."""
+    test_size: int = Field(1000, ge=1)
+    """Test pairs (same length range as training)."""
+    long_size: int = Field(300, ge=0)
+    """Test pairs longer than any training pair (length extrapolation)."""
+    probe_size: int = Field(200, ge=1)
+    """Word-order minimal pairs (subject and object swapped)."""
+    min_words: int = Field(4, ge=4)
+    """Shortest source sentence, in words (with the final period)."""
+    max_words: int = Field(30, ge=4)
+    """Longest training/valid/test source sentence, in words."""
+    long_max_words: int = Field(50, ge=5)
+    """Longest source sentence of the extrapolation set (they start at max_words + 1)."""
+    probe_max_words: int = Field(12, ge=5)
+    """Longest probe sentence, in words."""
+
+    @model_validator(mode="after")
+    def _lengths(self) -> SyntheticConfig:
+        if not self.min_words <= self.max_words < self.long_max_words:
+            raise ValueError(
+                "need data.synthetic.min_words <= max_words < long_max_words, got "
+                f"{self.min_words}, {self.max_words}, {self.long_max_words}"
+            )
+        return self
+
+
+class DataConfig(Section):
+    corpus: Literal["synthetic"] = "synthetic"
+    """Corpus source (the embedded synthetic language pair)."""
+    synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
+    """Parameters of the synthetic corpus."""
+    tokenizer: Literal["bpe", "unigram"] = "bpe"
+    """Joint subword model trained with `tokenizers` on both sides."""
+    vocab_size: int = Field(8000, ge=16)
+    """Joint vocabulary size (special tokens included)."""
+    max_tokens: int = Field(4096, ge=16)
+    """Batch size: maximum of padded source + target tokens per batch."""
+    max_len: int = Field(256, ge=4)
+    """Training pairs with more tokens than this on either side are dropped."""
+
+
+class TrainConfig(Section):
+    run_dir: str = ""
+    """Output directory (config, TensorBoard events, checkpoint); empty: runs/<preset>-<kind>-s<seed>."""
+    seed: int = 1
+    """Seed of parameter initialisation, dropout and batch order."""
+    max_steps: int = Field(1000, ge=1)
+    """Optimizer steps to train."""
+    lr: float = Field(7e-4, gt=0.0)
+    """Peak learning rate, reached at the end of warmup."""
+    warmup_steps: int = Field(4000, ge=0)
+    """Linear warmup steps, then lr * sqrt(warmup / step) (inverse square root)."""
+    adam_betas: tuple[float, float] = (0.9, 0.98)
+    """Adam beta1 and beta2."""
+    adam_eps: float = Field(1e-9, gt=0.0)
+    """Adam epsilon."""
+    weight_decay: float = Field(0.0, ge=0.0)
+    """Decoupled weight decay (AdamW); 0 for the paper's Adam."""
+    clip_norm: float = Field(1.0, ge=0.0)
+    """Clip the global gradient norm to this value (0: no clipping)."""
+    label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
+    """Label smoothing epsilon."""
+    bf16: bool = False
+    """bf16 autocast for forward and loss (parameters and optimizer stay fp32)."""
+    threads: int = Field(0, ge=0)
+    """torch intra-op threads (0: leave torch's default)."""
+    log_every: int = Field(10, ge=1)
+    """Steps between TensorBoard scalars."""
+    valid_every: int = Field(500, ge=1)
+    """Steps between validations (loss and greedy BLEU); also done at the end."""
+    valid_bleu_size: int = Field(200, ge=0)
+    """Validation sentences translated (greedy) for BLEU during training; 0: skip."""
+    progress: bool = True
+    """Show a progress bar on the terminal."""
+
+
+class EvalConfig(Section):
+    beam: int = Field(4, ge=1)
+    """Beam size (1: greedy)."""
+    alpha: float = Field(0.6, ge=0.0)
+    """Length penalty exponent ((5 + len) / 6) ** alpha."""
+    max_len_a: float = Field(1.0, ge=0.0)
+    """Maximum output length = a * source length + b."""
+    max_len_b: int = Field(50, ge=1)
+    """Maximum output length = a * source length + b."""
+    batch_size: int = Field(128, ge=1)
+    """Sentences per decoding batch."""
+    length_buckets: list[int] = Field(default_factory=lambda: [10, 20, 30, 40])
+    """Upper edges (source words) of the length buckets BLEU is reported for; a last open bucket follows."""
+    at_end: bool = True
+    """Evaluate the final model on the test sets when training ends."""
+
+
+class Config(Section):
+    preset: str = "demo"
+    """Name of the preset this config came from (informational)."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Architecture."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Corpus, tokenizer and batching."""
+    train: TrainConfig = Field(default_factory=TrainConfig)
+    """Optimisation and logging."""
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    """Decoding and scoring."""
+
+    @model_validator(mode="after")
+    def _combinations(self) -> Config:
+        p = self.model.position
+        if "learned" in (p.kind, p.cross) and p.max_positions < self.data.max_len + 1:
+            raise ValueError(
+                f"model.position.max_positions ({p.max_positions}) is shorter than the longest "
+                f"training sequence (data.max_len={self.data.max_len} tokens + EOS/BOS); raise "
+                "max_positions or lower data.max_len"
+            )
+        return self
+
+    def run_dir(self) -> Path:
+        """The run directory (``train.run_dir`` or a name derived from preset, encoding, seed)."""
+        if self.train.run_dir:
+            return Path(self.train.run_dir)
+        return Path("runs") / f"{self.preset}-{self.model.position.kind}-s{self.train.seed}"
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+def preset_path(preset: str) -> Path:
+    """A preset name (``configs/presets/<name>.yaml``) or a path to a YAML file."""
+    path = Path(preset)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path
+    candidate = PRESET_DIR / f"{preset}.yaml"
+    if candidate.is_file():
+        return candidate
+    names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+    raise ConfigError(
+        f"preset {preset!r} not found: it is neither a YAML file nor one of the presets in "
+        f"{PRESET_DIR} ({', '.join(names)}); pass --preset with one of those names or a path"
+    )
+
+
+def _read_preset(preset: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The preset's mapping, merged over its ``base:`` chain."""
+    path = preset_path(preset)
+    if str(path) in seen:
+        raise ConfigError(f"preset {path} inherits from itself through 'base:'; break the cycle")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"preset {path} is not valid YAML ({err}); fix the file") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"preset {path} must be a YAML mapping of sections, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    return _merge(_read_preset(str(base), (*seen, str(path))), data)
+
+
+def _merge(low: dict[str, Any], high: dict[str, Any]) -> dict[str, Any]:
+    merged = OmegaConf.merge(OmegaConf.create(low), OmegaConf.create(high))
+    out = OmegaConf.to_container(merged)
+    assert isinstance(out, dict)
+    return out  # type: ignore[return-value]
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=x"]`` -> nested dict, values parsed as YAML scalars/lists."""
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key or key.startswith("-"):
+            raise ConfigError(
+                f"cannot read the override {item!r}: overrides are KEY=VALUE with a dotted key, "
+                "e.g. model.position.kind=rope train.max_steps=200"
+            )
+    try:
+        out = OmegaConf.to_container(OmegaConf.from_dotlist(overrides))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"cannot read the overrides {overrides}: {err}") from None
+    assert isinstance(out, dict)
+    return out  # type: ignore[return-value]
+
+
+def load_config(preset: str | None = "demo", overrides: list[str] | None = None) -> Config:
+    """defaults < preset < overrides, validated. Raises ``ConfigError`` with a readable message."""
+    data: dict[str, Any] = {}
+    if preset:
+        data = _read_preset(preset)
+        data.setdefault("preset", Path(preset).stem)
+    if overrides:
+        data = _merge(data, parse_overrides(overrides))
+    return validate(data)
+
+
+def validate(data: dict[str, Any]) -> Config:
+    """Build a ``Config`` from a mapping, turning pydantic's errors into one readable paragraph."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_errors(err)) from None
+
+
+def format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            parent = ".".join(str(p) for p in e["loc"][:-1])
+            valid = _section_fields(e["loc"][:-1])
+            where = f"in section '{parent}'" if parent else "at the top level"
+            lines.append(
+                f"unknown key '{key}' {where}; valid keys are: {', '.join(valid)} "
+                "(check the spelling in the preset or the override)"
+            )
+        elif e["type"] == "value_error":
+            # our validators' messages already name their dotted keys
+            lines.append(str(e.get("ctx", {}).get("error", e["msg"])))
+        else:
+            got = e.get("input")
+            lines.append(f"{key}: {e['msg']} (got {got!r}); fix the value in the preset or override")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def _section_fields(loc: tuple[int | str, ...]) -> list[str]:
+    cls: type[BaseModel] = Config
+    for part in loc:
+        field = cls.model_fields.get(str(part))
+        ann = field.annotation if field is not None else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        cls = ann
+    return list(cls.model_fields)
+
+
+def describe(cls: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(dotted key, default, documentation) for every config key, for docs and ``--help-config``."""
+    rows: list[tuple[str, str, str]] = []
+    for name, field in cls.model_fields.items():
+        ann = field.annotation
+        key = f"{prefix}{name}"
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            rows.extend(describe(ann, key + "."))
+        else:
+            default = field.get_default(call_default_factory=True)
+            rows.append((key, repr(default), field.description or ""))
+    return rows

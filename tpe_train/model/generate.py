@@ -1,0 +1,130 @@
+"""Batched greedy and beam search with a KV cache (beam 4, alpha 0.6, max length = source + 50)."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from tpe_train.model.transformer import Transformer
+
+
+def length_penalty(length: Tensor | int, alpha: float) -> Tensor | float:
+    """GNMT length penalty ((5 + |Y|) / 6) ** alpha (Wu et al. 2016)."""
+    return ((5.0 + length) / 6.0) ** alpha
+
+
+def _max_lengths(model: Transformer, src: Tensor, max_len_a: float, max_len_b: int) -> Tensor:
+    """Per sentence: a * source length + b generated tokens (EOS included), capped by what the
+    decoder's position encoding can represent."""
+    src_len = (src != model.args.pad_id).sum(dim=1)
+    limit = (src_len.float() * max_len_a).long() + max_len_b
+    cap = model.max_target_length()
+    if cap is not None:
+        limit = limit.clamp(max=cap)
+    return limit.clamp(min=1)
+
+
+@torch.no_grad()
+def greedy(model: Transformer, src: Tensor, max_len_a: float = 1.0, max_len_b: int = 50) -> list[list[int]]:
+    """Greedy decoding of a batch of sources (B, Ls) -> token ids without BOS/EOS."""
+    args = model.args
+    memory = model.encode(src)
+    limit = _max_lengths(model, src, max_len_a, max_len_b)
+    batch = src.shape[0]
+    cache = model.new_cache()
+    token = torch.full((batch, 1), args.bos_id, dtype=torch.long, device=src.device)
+    out: list[list[int]] = [[] for _ in range(batch)]
+    done = torch.zeros(batch, dtype=torch.bool, device=src.device)
+    for step in range(int(limit.max())):
+        logits = model.decode(token, memory, cache)[:, -1]  # (B, V)
+        nxt = logits.argmax(dim=-1)
+        forced = limit <= step + 1  # last allowed position: emit EOS
+        nxt = torch.where(forced, torch.full_like(nxt, args.eos_id), nxt)
+        for b in (~done).nonzero().flatten().tolist():
+            if int(nxt[b]) != args.eos_id:
+                out[b].append(int(nxt[b]))
+        done |= nxt == args.eos_id
+        if bool(done.all()):
+            break
+        token = nxt[:, None]
+    return out
+
+
+@torch.no_grad()
+def beam_search(
+    model: Transformer,
+    src: Tensor,
+    beam: int = 4,
+    alpha: float = 0.6,
+    max_len_a: float = 1.0,
+    max_len_b: int = 50,
+) -> list[list[int]]:
+    """Batched beam search; finished hypotheses are scored log p / length_penalty.
+
+    As in fairseq, EOS is accepted only among the top ``beam`` candidates of a step, 2 * beam
+    candidates are kept so that ``beam`` unfinished ones always continue, and a sentence is done
+    when it has ``beam`` finished hypotheses.
+    """
+    args = model.args
+    batch, device = src.shape[0], src.device
+    limit = _max_lengths(model, src, max_len_a, max_len_b)
+    rows = torch.arange(batch, device=device).repeat_interleave(beam)  # (B*K,)
+    memory = model.encode(src).index_select(rows)
+    cache = model.new_cache()
+    scores = torch.zeros(batch, beam, device=device)
+    scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
+    tokens = torch.full((batch * beam, 1), args.bos_id, dtype=torch.long, device=device)
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
+    done = [False] * batch
+    for step in range(int(limit.max())):
+        logits = model.decode(tokens[:, -1:], memory, cache)[:, -1]  # (B*K, V)
+        lprobs = torch.log_softmax(logits.float(), dim=-1)
+        vocab = lprobs.shape[-1]
+        forced = (limit <= step + 1).repeat_interleave(beam)  # must end now
+        if bool(forced.any()):
+            eos_only = torch.full_like(lprobs[0], float("-inf"))
+            eos_only[args.eos_id] = 0.0
+            lprobs = torch.where(
+                forced[:, None],
+                eos_only + lprobs[:, args.eos_id : args.eos_id + 1],
+                lprobs,
+            )
+        lprobs[:, args.pad_id] = float("-inf")
+        cand = (scores.view(-1, 1) + lprobs).view(batch, beam * vocab)
+        top_scores, top_idx = cand.topk(2 * beam, dim=-1)  # (B, 2K)
+        src_beam, token = top_idx // vocab, top_idx % vocab
+        is_eos = token == args.eos_id
+
+        # Finalize EOS candidates ranked within the first K.
+        hits = (is_eos[:, :beam]).nonzero().tolist()
+        for b, c in hits:
+            if done[b] or top_scores[b, c] == float("-inf"):
+                continue
+            hyp = tokens[b * beam + int(src_beam[b, c]), 1:].tolist()
+            score = float(top_scores[b, c]) / float(length_penalty(len(hyp) + 1, alpha))
+            if len(finished[b]) < beam:
+                finished[b].append((score, hyp))
+        for b in range(batch):
+            if not done[b] and len(finished[b]) >= beam:
+                done[b] = True
+        if all(done):
+            break
+
+        # Continue with the first K non-EOS candidates of each sentence.
+        order = (is_eos.long() * (2 * beam) + torch.arange(2 * beam, device=device)).argsort(dim=-1)
+        keep = order[:, :beam]  # (B, K)
+        next_scores = top_scores.gather(1, keep)
+        next_beam = src_beam.gather(1, keep) + torch.arange(batch, device=device)[:, None] * beam
+        next_token = token.gather(1, keep)
+        # A sentence that is done keeps decoding harmlessly: its scores no longer matter.
+        scores = next_scores
+        flat = next_beam.flatten()
+        cache.reorder(flat)
+        tokens = torch.cat((tokens.index_select(0, flat), next_token.reshape(-1, 1)), dim=1)
+
+    results: list[list[int]] = []
+    for b in range(batch):
+        if not finished[b]:  # cannot happen (the length limit forces EOS), but never return nothing
+            finished[b].append((0.0, tokens[b * beam, 1:].tolist()))
+        results.append(max(finished[b], key=lambda sh: sh[0])[1])
+    return results

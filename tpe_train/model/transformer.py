@@ -1,0 +1,277 @@
+"""The encoder-decoder Transformer of Vaswani et al. 2017, single-device and parallelism-blind.
+
+Post-norm by default (the paper), pre-norm as an option; one joint vocabulary whose embedding serves
+the source, the target and the output layer; a causal decoder with an incremental KV cache.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from tpe_train.model.args import ModelArgs
+from tpe_train.model.attention import Attention, KVCache
+from tpe_train.positions import POSITIONS, PositionEncoding, build_position
+
+
+class FeedForward(nn.Module):
+    """Position-wise FFN: ``fc_out(dropout(relu(fc_in(x))))``."""
+
+    def __init__(self, d_model: int, ffn_dim: int, dropout: float) -> None:
+        super().__init__()
+        self.fc_in = nn.Linear(d_model, ffn_dim)
+        self.fc_out = nn.Linear(ffn_dim, d_model)
+        self.dropout = dropout
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc_out(F.dropout(F.relu(self.fc_in(x)), self.dropout, self.training))
+
+
+class Layer(nn.Module):
+    """One encoder layer (self-attention + FFN) or decoder layer (+ cross-attention)."""
+
+    def __init__(self, args: ModelArgs, cross: bool) -> None:
+        super().__init__()
+        d = args.d_model
+        self.pre_norm = args.pre_norm
+        self.dropout = args.dropout
+        self.self_attn = Attention(d, args.n_heads, args.attention_dropout)
+        self.self_norm = nn.LayerNorm(d)
+        self.cross_attn = Attention(d, args.n_heads, args.attention_dropout) if cross else None
+        self.cross_norm = nn.LayerNorm(d) if cross else None
+        self.ffn = FeedForward(d, args.ffn_dim, args.activation_dropout)
+        self.ffn_norm = nn.LayerNorm(d)
+
+    def _residual(self, x: Tensor, norm: nn.LayerNorm, fn: object) -> Tensor:
+        assert callable(fn)
+        if self.pre_norm:
+            return x + F.dropout(fn(norm(x)), self.dropout, self.training)
+        return norm(x + F.dropout(fn(x), self.dropout, self.training))
+
+    def forward(
+        self,
+        x: Tensor,
+        pos: PositionEncoding,
+        x_pos: Tensor,
+        keep: Tensor | None,
+        causal: bool,
+        memory: tuple[Tensor, Tensor | None, Tensor] | None = None,
+        cross_pos: PositionEncoding | None = None,
+        cache: dict[str, KVCache] | None = None,
+    ) -> Tensor:
+        """x: (B, L, D). ``memory``: (encoder output, its keep mask, its positions) for a decoder."""
+        self_cache = cache["self"] if cache is not None else None
+        x = self._residual(
+            x,
+            self.self_norm,
+            lambda h: self.self_attn(
+                h,
+                pos,
+                x_pos,
+                _key_pos(x_pos, self_cache),
+                keep=keep,
+                causal=causal,
+                cache=self_cache,
+            ),
+        )
+        cross_attn, cross_norm = self.cross_attn, self.cross_norm
+        if cross_attn is not None and cross_norm is not None:
+            assert memory is not None and cross_pos is not None
+            mem, mem_keep, mem_pos = memory
+            cross_cache = cache["cross"] if cache is not None else None
+            x = self._residual(
+                x,
+                cross_norm,
+                lambda h: cross_attn(
+                    h,
+                    cross_pos,
+                    x_pos,
+                    mem_pos,
+                    memory=mem,
+                    keep=mem_keep,
+                    cache=cross_cache,
+                ),
+            )
+        return self._residual(x, self.ffn_norm, self.ffn)
+
+
+def _key_pos(x_pos: Tensor, cache: KVCache | None) -> Tensor:
+    """Positions of the self-attention keys: the cached prefix followed by the new tokens."""
+    if cache is None or "k" not in cache:
+        return x_pos
+    return torch.arange(int(x_pos[-1]) + 1, device=x_pos.device)
+
+
+def _positions(kind: str, args: ModelArgs, n_layers: int, causal: bool) -> nn.ModuleList:
+    count = n_layers if POSITIONS.get(kind).per_layer else 1
+    return nn.ModuleList(build_position(kind, args.position_args(causal)) for _ in range(count))
+
+
+class Stack(nn.Module):
+    """A stack of layers with its own position encoding(s): shared, or one per layer."""
+
+    def __init__(self, args: ModelArgs, n_layers: int, decoder: bool) -> None:
+        super().__init__()
+        kind = args.decoder_position if decoder else args.encoder_position
+        self.decoder = decoder
+        self.positions = _positions(kind, args, n_layers, causal=decoder)
+        self.cross_positions = (
+            _positions(args.cross_position, args, n_layers, causal=False) if decoder else None
+        )
+        self.layers = nn.ModuleList(Layer(args, cross=decoder) for _ in range(n_layers))
+        self.final_norm = nn.LayerNorm(args.d_model) if args.pre_norm else None
+        self.dropout = args.dropout
+
+    def pos(self, i: int) -> PositionEncoding:
+        enc = self.positions[i if len(self.positions) > 1 else 0]
+        assert isinstance(enc, PositionEncoding)
+        return enc
+
+    def cross_pos(self, i: int) -> PositionEncoding | None:
+        if self.cross_positions is None:
+            return None
+        enc = self.cross_positions[i if len(self.cross_positions) > 1 else 0]
+        assert isinstance(enc, PositionEncoding)
+        return enc
+
+    def forward(
+        self,
+        x: Tensor,
+        x_pos: Tensor,
+        keep: Tensor | None,
+        memory: tuple[Tensor, Tensor | None, Tensor] | None = None,
+        cache: list[dict[str, KVCache]] | None = None,
+    ) -> Tensor:
+        """x: (B, L, D) scaled token embeddings at positions x_pos (L,)."""
+        x = F.dropout(self.pos(0).embed(x, x_pos), self.dropout, self.training)
+        for i, layer in enumerate(self.layers):
+            x = layer(
+                x,
+                self.pos(i),
+                x_pos,
+                keep,
+                self.decoder,
+                memory,
+                self.cross_pos(i),
+                cache[i] if cache is not None else None,
+            )
+        return self.final_norm(x) if self.final_norm is not None else x
+
+
+@dataclass
+class DecoderCache:
+    """Per-layer KV caches plus the number of target positions already decoded."""
+
+    layers: list[dict[str, KVCache]] = field(default_factory=list)
+    offset: int = 0
+
+    @classmethod
+    def empty(cls, n_layers: int) -> DecoderCache:
+        return cls([{"self": {}, "cross": {}} for _ in range(n_layers)], 0)
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep rows ``index`` of the batch (beam search)."""
+        for layer in self.layers:
+            for kv in layer.values():
+                for name in kv:
+                    kv[name] = kv[name].index_select(0, index)
+
+
+@dataclass
+class Memory:
+    """Encoder output with its padding mask and positions."""
+
+    states: Tensor  # (B, Ls, D)
+    keep: Tensor  # (B, 1, 1, Ls) bool
+    positions: Tensor  # (Ls,)
+
+    def index_select(self, index: Tensor) -> Memory:
+        return Memory(
+            self.states.index_select(0, index),
+            self.keep.index_select(0, index),
+            self.positions,
+        )
+
+
+class Transformer(nn.Module):
+    """Encoder-decoder over one joint vocabulary; embeddings shared by source, target and output."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.embed = nn.Embedding(args.vocab_size, args.d_model, padding_idx=args.pad_id)
+        self.encoder = Stack(args, args.encoder_layers, decoder=False)
+        self.decoder = Stack(args, args.decoder_layers, decoder=True)
+        self.embed_scale = math.sqrt(args.d_model)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """Xavier-uniform projections and zero biases (fairseq); N(0, d^-1/2) embeddings."""
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        nn.init.normal_(self.embed.weight, std=self.args.d_model**-0.5)
+        with torch.no_grad():
+            self.embed.weight[self.args.pad_id].zero_()
+
+    def max_target_length(self) -> int | None:
+        """Longest target the decoder's encoding can represent (None: unbounded)."""
+        return self.decoder.pos(0).max_length
+
+    def max_source_length(self) -> int | None:
+        """Longest source the encoder's encoding can represent (None: unbounded)."""
+        return self.encoder.pos(0).max_length
+
+    def encode(self, src: Tensor) -> Memory:
+        """src: (B, Ls) token ids, right-padded."""
+        positions = torch.arange(src.shape[1], device=src.device)
+        keep = (src != self.args.pad_id)[:, None, None, :]  # (B, 1, 1, Ls)
+        x = self.embed(src) * self.embed_scale
+        return Memory(self.encoder(x, positions, keep), keep, positions)
+
+    def decode(self, tgt_in: Tensor, memory: Memory, cache: DecoderCache | None = None) -> Tensor:
+        """tgt_in: (B, Lt) decoder input ids (BOS-prefixed) -> logits (B, Lt, V).
+
+        With a cache, ``tgt_in`` holds only the new tokens; positions continue from ``cache.offset``.
+        """
+        offset = cache.offset if cache is not None else 0
+        positions = torch.arange(offset, offset + tgt_in.shape[1], device=tgt_in.device)
+        x = self.embed(tgt_in) * self.embed_scale
+        h = self.decoder(
+            x,
+            positions,
+            None,
+            (memory.states, memory.keep, memory.positions),
+            cache.layers if cache is not None else None,
+        )
+        if cache is not None:
+            cache.offset += tgt_in.shape[1]
+        return F.linear(h, self.embed.weight)
+
+    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
+        """Teacher-forced logits (B, Lt, V)."""
+        return self.decode(tgt_in, self.encode(src))
+
+    def new_cache(self) -> DecoderCache:
+        return DecoderCache.empty(len(self.decoder.layers))
+
+
+def label_smoothed_loss(
+    logits: Tensor, target: Tensor, pad_id: int, epsilon: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Sums over non-pad tokens: (label-smoothed loss, nll, token count).
+
+    loss = (1 - eps) * nll + eps * mean_v(-log p_v), as ``F.cross_entropy(label_smoothing=eps)``.
+    """
+    lprobs = F.log_softmax(logits.float(), dim=-1)  # (B, L, V)
+    nonpad = target != pad_id
+    nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    smooth = -lprobs.mean(dim=-1)
+    loss = ((1.0 - epsilon) * nll + epsilon * smooth)[nonpad].sum()
+    return loss, nll[nonpad].sum().detach(), nonpad.sum()

@@ -1,0 +1,67 @@
+"""Encodings added to the token embeddings: none, sinusoidal (Vaswani et al. 2017), learned table."""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+
+from tpe_train.positions.base import POSITIONS, PositionArgs, PositionEncoding
+
+
+@POSITIONS.register("none")
+class NoPosition(PositionEncoding):
+    """No position information: the encoder becomes permutation-equivariant."""
+
+
+def sinusoid_table(positions: Tensor, d_model: int) -> Tensor:
+    """PE(pos, 2i) = sin(pos / 10000^(2i/d)), PE(pos, 2i+1) = cos(pos / 10000^(2i/d)); (L, d) float32."""
+    pos = positions.to(torch.float64)[:, None]  # (L, 1); float64 keeps large positions exact
+    two_i = torch.arange(0, d_model, 2, dtype=torch.float64, device=positions.device)
+    angle = pos / torch.pow(10000.0, two_i / d_model)  # (L, d/2)
+    table = torch.empty(positions.numel(), d_model, dtype=torch.float64, device=positions.device)
+    table[:, 0::2] = torch.sin(angle)
+    table[:, 1::2] = torch.cos(angle[:, : d_model // 2])
+    return table.to(torch.float32)
+
+
+@POSITIONS.register("sinusoidal")
+class SinusoidalPosition(PositionEncoding):
+    """Fixed sinusoids added to the embeddings; computed, never stored in a checkpoint."""
+
+    def __init__(self, args: PositionArgs) -> None:
+        super().__init__(args)
+        self._cache = torch.empty(0, args.d_model)
+
+    def _table(self, length: int, device: torch.device) -> Tensor:
+        if self._cache.shape[0] < length or self._cache.device != device:
+            size = max(length, 2 * self._cache.shape[0], 256)
+            self._cache = sinusoid_table(torch.arange(size, device=device), self.args.d_model)
+        return self._cache
+
+    def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        table = self._table(int(pos[-1]) + 1, x.device)
+        return x + table[pos].to(x.dtype)
+
+
+@POSITIONS.register("learned")
+class LearnedPosition(PositionEncoding):
+    """A learned absolute table of ``max_positions`` rows (BART, BERT)."""
+
+    def __init__(self, args: PositionArgs) -> None:
+        super().__init__(args)
+        self.table = nn.Embedding(args.max_positions, args.d_model)
+        nn.init.normal_(self.table.weight, std=args.d_model**-0.5)
+
+    @property
+    def max_length(self) -> int | None:
+        return self.args.max_positions
+
+    def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        last = int(pos[-1])
+        if last >= self.args.max_positions:
+            raise ValueError(
+                f"sequence position {last} is beyond the learned position table "
+                f"(model.position.max_positions={self.args.max_positions}); raise "
+                "model.position.max_positions or shorten the input"
+            )
+        return x + self.table(pos).to(x.dtype)

@@ -1,0 +1,105 @@
+"""The position-encoding interface: one module, three hooks with identity defaults.
+
+Attention calls all three hooks and never branches on an encoding's name:
+
+- ``embed(x, pos)``: added to the token embeddings (sinusoidal, learned absolute).
+- ``rotate(q, k, q_pos, k_pos)``: a rotation of queries and keys (RoPE).
+- ``attn_bias(q, q_pos, k_pos)``: additive attention logits (T5 buckets, ALiBi, Shaw's relative keys).
+
+Positions are 1-D ``long`` tensors that carry their offset, so incremental decoding with a KV cache
+sees exactly the positions of the full pass. Encodings that need the attention weights themselves
+(Shaw's relative values) say so with ``needs_weights`` and implement ``value_term``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import Tensor, nn
+
+from tpe_train.registry import Registry
+
+
+@dataclass(frozen=True, kw_only=True)
+class PositionArgs:
+    """Everything an encoding may need; each class reads the fields it uses."""
+
+    d_model: int
+    n_heads: int
+    causal: bool  # decoder self-attention (True) or encoder / bidirectional (False)
+    max_positions: int = 1024  # rows of the learned absolute table
+    shaw_clip: int = 16  # Shaw et al.: relative distances clipped to [-k, k]
+    shaw_values: bool = False  # Shaw et al.: also add relative value embeddings
+    t5_buckets: int = 32  # T5 relative-attention buckets
+    t5_max_distance: int = 128  # T5: distances beyond this share the last bucket
+    rope_base: float = 10000.0  # RoPE frequency base
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+
+class PositionEncoding(nn.Module):
+    """Base class: identity hooks. Subclasses override what they need."""
+
+    #: one instance per layer (Shaw) rather than one shared by all layers of a stack
+    per_layer: ClassVar[bool] = False
+    #: attention must compute its weights explicitly and call ``value_term``
+    needs_weights: bool = False
+    #: whether ``attn_bias`` can return a tensor (lets attention keep the fused causal path otherwise)
+    has_bias: ClassVar[bool] = False
+
+    def __init__(self, args: PositionArgs) -> None:
+        super().__init__()
+        self.args = args
+        # Global indices of the heads this module serves; a tensor-parallel plan narrows it.
+        self.heads: list[int] = list(range(args.n_heads))
+
+    @property
+    def max_length(self) -> int | None:
+        """Longest sequence this encoding can represent (``None``: unbounded)."""
+        return None
+
+    def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        """x: (B, L, D) scaled token embeddings; pos: (L,) -> (B, L, D)."""
+        return x
+
+    def rotate(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+        """q: (B, H, Lq, hd), k: (B, H, Lk, hd) -> rotated (q, k)."""
+        return q, k
+
+    def attn_bias(
+        self, q: Tensor, q_pos: Tensor, k_pos: Tensor, heads: list[int] | None = None
+    ) -> Tensor | None:
+        """Additive logits broadcastable to (B, H, Lq, Lk), or ``None``.
+
+        ``q`` is the (B, H, Lq, hd) query (content-dependent biases use it); ``heads`` are the global
+        head indices to build rows for (default: ``self.heads``).
+        """
+        return None
+
+    def value_term(self, weights: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """weights: (B, H, Lq, Lk) attention probabilities -> (B, H, Lq, hd) added to the output."""
+        raise NotImplementedError
+
+    def extra_repr(self) -> str:
+        return f"heads={len(self.heads)}"
+
+
+POSITIONS: Registry[type[PositionEncoding]] = Registry("position encoding")
+
+
+def relative_distance(q_pos: Tensor, k_pos: Tensor) -> Tensor:
+    """(Lq, Lk) matrix of j - i (key position minus query position)."""
+    return k_pos[None, :] - q_pos[:, None]
+
+
+def build_position(kind: str, args: PositionArgs) -> PositionEncoding:
+    """Instantiate the encoding registered as ``kind``."""
+    return POSITIONS.get(kind)(args)
+
+
+def head_index(heads: list[int], device: torch.device) -> Tensor:
+    return torch.tensor(heads, dtype=torch.long, device=device)

@@ -1,0 +1,140 @@
+"""Relative encodings that act on the attention logits: Shaw et al. 2018, T5 buckets, ALiBi.
+
+Each depends only on j - i, so shifting all positions by a constant changes nothing. Rows are built
+for the global head indices a module serves, so a tensor-parallel rank builds only its own heads.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from tpe_train.positions.base import (
+    POSITIONS,
+    PositionArgs,
+    PositionEncoding,
+    head_index,
+    relative_distance,
+)
+
+
+@POSITIONS.register("shaw")
+class ShawPosition(PositionEncoding):
+    """Shaw et al. 2018: relative key (and optionally value) embeddings clipped at distance k.
+
+    The key term q_i . a_{clip(j-i)} is computed as q @ R^T over the 2k+1 clipped distances, then
+    gathered into (Lq, Lk): never an (L, L, d) tensor. Tables are per layer and shared by all heads.
+    """
+
+    per_layer = True
+    has_bias = True
+
+    def __init__(self, args: PositionArgs) -> None:
+        super().__init__(args)
+        k, hd = args.shaw_clip, args.head_dim
+        self.keys = nn.Parameter(torch.randn(2 * k + 1, hd) * hd**-0.5)
+        self.values = nn.Parameter(torch.zeros(2 * k + 1, hd)) if args.shaw_values else None
+        self.scale = hd**-0.5
+        self.needs_weights = args.shaw_values
+
+    def bucket(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """(Lq, Lk) index into the 2k+1 table rows: clip(j - i, -k, k) + k."""
+        k = self.args.shaw_clip
+        return relative_distance(q_pos, k_pos).clamp(-k, k) + k
+
+    def attn_bias(
+        self, q: Tensor, q_pos: Tensor, k_pos: Tensor, heads: list[int] | None = None
+    ) -> Tensor | None:
+        scores = torch.matmul(q, self.keys.to(q.dtype).t()) * self.scale  # (B, H, Lq, 2k+1)
+        idx = self.bucket(q_pos, k_pos)  # (Lq, Lk)
+        idx = idx.expand(*scores.shape[:-1], idx.shape[-1])  # (B, H, Lq, Lk)
+        return torch.gather(scores, -1, idx)
+
+    def value_term(self, weights: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        assert self.values is not None
+        idx = self.bucket(q_pos, k_pos).expand_as(weights)  # (B, H, Lq, Lk)
+        per_distance = weights.new_zeros(*weights.shape[:-1], self.values.shape[0])
+        per_distance.scatter_add_(-1, idx, weights)  # (B, H, Lq, 2k+1): weight on each distance
+        return torch.matmul(per_distance, self.values.to(weights.dtype))  # (B, H, Lq, hd)
+
+
+def t5_bucket(relative: Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> Tensor:
+    """T5's bucket of each relative position (key minus query): exact for small distances,
+    logarithmic up to ``max_distance``; bidirectional splits the buckets between the two signs."""
+    bucket = torch.zeros_like(relative)
+    if bidirectional:
+        num_buckets //= 2
+        bucket = bucket + (relative > 0).long() * num_buckets
+        distance = relative.abs()
+    else:
+        distance = (-relative).clamp(min=0)  # the future gets bucket 0 (it is masked anyway)
+    max_exact = num_buckets // 2
+    is_small = distance < max_exact
+    log_ratio = torch.log(distance.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
+    large = max_exact + (log_ratio * (num_buckets - max_exact)).long()
+    large = large.clamp(max=num_buckets - 1)
+    return bucket + torch.where(is_small, distance, large)
+
+
+@POSITIONS.register("t5")
+class T5Position(PositionEncoding):
+    """T5 relative bias: one scalar per (bucket, head), shared across the layers of a stack;
+    bidirectional in the encoder, causal in the decoder."""
+
+    has_bias = True
+
+    def __init__(self, args: PositionArgs) -> None:
+        super().__init__(args)
+        self.table = nn.Embedding(args.t5_buckets, args.n_heads)
+        nn.init.normal_(self.table.weight, std=0.1)
+
+    def attn_bias(
+        self, q: Tensor, q_pos: Tensor, k_pos: Tensor, heads: list[int] | None = None
+    ) -> Tensor | None:
+        buckets = t5_bucket(
+            relative_distance(q_pos, k_pos),
+            bidirectional=not self.args.causal,
+            num_buckets=self.args.t5_buckets,
+            max_distance=self.args.t5_max_distance,
+        )  # (Lq, Lk)
+        weight = self.table.weight
+        rows = heads if heads is not None else self.heads
+        if len(rows) != self.args.n_heads:
+            weight = weight.index_select(1, head_index(rows, weight.device))
+        return weight[buckets].permute(2, 0, 1).unsqueeze(0).to(q.dtype)  # (1, h, Lq, Lk)
+
+
+def alibi_slopes(n_heads: int) -> list[float]:
+    """Press et al. 2022: a geometric sequence starting at 2^(-8/n); for n not a power of two, the
+    slopes of the closest smaller power of two followed by every other slope of the next one."""
+
+    def power_of_two(n: int) -> list[float]:
+        start = 2.0 ** (-8.0 / n)
+        return [start ** (i + 1) for i in range(n)]
+
+    if math.log2(n_heads).is_integer():
+        return power_of_two(n_heads)
+    closest = 2 ** math.floor(math.log2(n_heads))
+    return power_of_two(closest) + power_of_two(2 * closest)[0::2][: n_heads - closest]
+
+
+@POSITIONS.register("alibi")
+class AlibiPosition(PositionEncoding):
+    """ALiBi: a linear penalty -slope_h * |i - j|; symmetric in the encoder, and in the decoder the
+    causal mask leaves only j <= i, where it is the original -slope_h * (i - j)."""
+
+    has_bias = True
+
+    def __init__(self, args: PositionArgs) -> None:
+        super().__init__(args)
+        self.slopes = torch.tensor(alibi_slopes(args.n_heads), dtype=torch.float32)
+
+    def attn_bias(
+        self, q: Tensor, q_pos: Tensor, k_pos: Tensor, heads: list[int] | None = None
+    ) -> Tensor | None:
+        rows = heads if heads is not None else self.heads
+        slopes = self.slopes.to(q.device)[head_index(rows, q.device)]  # (h,)
+        distance = relative_distance(q_pos, k_pos).abs().to(torch.float32)  # (Lq, Lk)
+        return (-slopes[:, None, None] * distance).unsqueeze(0).to(q.dtype)  # (1, h, Lq, Lk)
