@@ -1,0 +1,629 @@
+"""Training-step and beam-search throughput of tpe_train's encodings against Hugging Face models.
+
+Run from the repository root (CPU; the numbers are only comparable *within one run*)::
+
+    python benchmarks/bench_train.py                     # everything, ~10 minutes on 2 cores
+    python benchmarks/bench_train.py --steps 2 --warmup 1 --only none,rope --no-decode
+    python benchmarks/bench_train.py --json bench.json   # also write every number
+
+Shape (one issue's): d_model 256, 4 heads, FFN 1024, 3 + 3 layers, one shared vocabulary of 8,000
+with tied embeddings, dropout 0.1 (attention and activation dropout 0), batches of 128 sentences
+whose source and target lengths are uniform in [24, 36] (target + EOS: ~31 tokens, ~3,970 target
+tokens per batch), right-padded to 36 source / 37 target positions. Token ids are random (3..7999,
+fixed seed) and every model sees the same batches in the same order.
+
+What is measured
+----------------
+1. **Peak**: ``torch.matmul`` GFLOP/s on the model's own GEMM shapes ((4096x256)@(256x1024),
+   (4096x1024)@(1024x256), (4096x256)@(256x256), (4096x256)@(256x8000)), median of several timed
+   repetitions per shape, in fp32 and bf16; the peak is the best shape's median.
+2. **Training step**: forward + label-smoothed loss (eps 0.1, ``label_smoothed_loss`` on the logits
+   for *every* model, HF ones included, never HF's ``labels=``) + backward + Adam step, dropout on,
+   in fp32 and under ``torch.autocast("cpu", dtype=torch.bfloat16)`` around forward + loss (fp32
+   master weights). Rows: every tpe_train encoding, plus Hugging Face models of the same shape built
+   from a config with random weights: MarianMT (sinusoidal) <-> ``sinusoidal``, BART (learned
+   absolute) <-> ``learned``, T5 (relative bucket bias) <-> ``t5``. All timed steps are interleaved
+   round-robin over the rows (one step of each row per round, order rotated every round), so a
+   load change on a shared machine hits all rows alike; the reported step time is the median.
+   Columns: target tokens/s (mean non-pad target tokens per batch / median step time), step ms,
+   ``vs HF`` = tokens/s of the row / tokens/s of its matching HF model (> 1: tpe_train faster),
+   ``vs none`` = step time / step time of tpe ``none`` in the same dtype, MFU = model FLOP/s /
+   measured fp32 matmul peak (bf16 rows also against the bf16 peak).
+3. **Model FLOPs** (matmul FLOPs only, 2 per multiply-add; training = 3 x forward), per sentence at
+   the *padded* lengths Ls, Lt, with d = d_model, f = FFN dim, V = vocabulary, per layer:
+
+   - encoder:          self-attn projections 4*2*Ls*d^2 + scores & weighted sum 2*2*Ls^2*d
+                       + FFN 2*2*Ls*d*f
+   - decoder self:     4*2*Lt*d^2 + 2*2*Lt^2*d (full square, not halved for causality)
+   - decoder cross:    q & out projections 2*2*Lt*d^2 + k & v projections 2*2*Ls*d^2
+                       + scores & weighted sum 2*2*Lt*Ls*d
+   - decoder FFN:      2*2*Lt*d*f
+   - output layer:     2*Lt*d*V (once)
+
+   Embedding look-ups, norms, softmax, the loss, position-encoding extras (Shaw's q.R^T, RoPE's
+   rotation, bias construction) and the optimizer are not counted, so all models of this shape do
+   the same "model FLOPs" and MFU is proportional to tokens/s.
+4. **Decoding**: beam 4, length penalty 0.6, KV cache, a batch of 64 sources of length 24..36, fp32,
+   eval mode. With random weights the models would stop at different, arbitrary lengths, so both
+   sides are made to run exactly the same number of decoder steps, ``N + 1`` with N = 30:
+
+   - tpe_train: ``beam_search(model, src, beam=4, alpha=0.6, max_len_a=0, max_len_b=N + 1)`` on a
+     model whose ``decode`` sets the EOS logit to -inf during the first N steps (a per-instance
+     wrapper, one ``masked_fill`` of the (B*K, 1, V) logits per step: exactly what HF's
+     ``min_new_tokens`` logits processor does); step N + 1 is then forced to EOS by the length
+     limit, so every hypothesis is N tokens + EOS after N + 1 decoder calls.
+   - Hugging Face: ``generate(num_beams=4, length_penalty=0.6, min_new_tokens=N + 1,
+     max_new_tokens=N + 1)``: EOS suppressed throughout, N + 1 decoder calls, N + 1 tokens.
+
+   Reported: sentences/s and decoded tokens/s (sentences x (N + 1) decoder steps, EOS counted), and
+   the ratio to the matching HF model. The EOS suppression costs both sides the same trivial op.
+
+Caveats of the comparison (architectural, not bugs): tpe_train is post-norm with biases and a
+GNMT-style beam search written in Python; Marian and BART are post-norm too (BART adds an embedding
+LayerNorm and a ``final_logits_bias``), T5 is pre-norm RMSNorm without biases, and its
+``dropout_rate`` also drops attention probabilities (it has no separate attention dropout). The
+activation is ReLU everywhere (Marian and BART configs are set to ``relu``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import math
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:  # run as a script from a checkout without installing the package
+    sys.path.insert(0, str(ROOT))
+
+from tpe_train.model.args import ModelArgs  # noqa: E402
+from tpe_train.model.generate import beam_search  # noqa: E402
+from tpe_train.model.transformer import Memory, Transformer, label_smoothed_loss  # noqa: E402
+from tpe_train.positions import POSITIONS, PositionArgs  # noqa: E402
+
+D_MODEL, N_HEADS, FFN_DIM, LAYERS, VOCAB = 256, 4, 1024, 3, 8000
+PAD, BOS, EOS, FIRST_ID = 0, 1, 2, 3
+BATCH, N_BATCHES = 128, 4
+MIN_LEN, MAX_LEN = 24, 36  # content tokens per sentence (the target adds EOS)
+DECODE_BATCH, DECODE_NEW = 64, 30  # decoding: sentences per batch; N (decoder steps = N + 1)
+EPSILON, LR, SEED = 0.1, 1e-4, 1234
+HF_MATCH = {"sinusoidal": "hf-marian", "learned": "hf-bart", "t5": "hf-t5"}
+
+
+# --------------------------------------------------------------------------------------- data
+
+
+@dataclass
+class Batch:
+    src: Tensor  # (B, Ls) right-padded
+    tgt_in: Tensor  # (B, Lt) BOS + target
+    tgt_out: Tensor  # (B, Lt) target + EOS
+    ntok: int  # non-pad target tokens
+
+
+def _padded(rows: list[Tensor], length: int) -> Tensor:
+    out = torch.full((len(rows), length), PAD, dtype=torch.long)
+    for i, row in enumerate(rows):
+        out[i, : row.numel()] = row
+    return out
+
+
+def _lengths(gen: torch.Generator, n: int) -> list[int]:
+    """Uniform in [MIN_LEN, MAX_LEN], one sentence at MAX_LEN so every batch pads to the same shape."""
+    lengths = torch.randint(MIN_LEN, MAX_LEN + 1, (n,), generator=gen)
+    lengths[int(torch.randint(n, (1,), generator=gen))] = MAX_LEN
+    return lengths.tolist()
+
+
+def _sentences(gen: torch.Generator, n: int) -> list[Tensor]:
+    return [torch.randint(FIRST_ID, VOCAB, (length,), generator=gen) for length in _lengths(gen, n)]
+
+
+def make_batches(seed: int) -> list[Batch]:
+    gen = torch.Generator().manual_seed(seed)
+    batches = []
+    for _ in range(N_BATCHES):
+        src = _sentences(gen, BATCH)
+        tgt = _sentences(gen, BATCH)
+        bos, eos = torch.tensor([BOS]), torch.tensor([EOS])
+        tgt_in = _padded([torch.cat((bos, t)) for t in tgt], MAX_LEN + 1)
+        tgt_out = _padded([torch.cat((t, eos)) for t in tgt], MAX_LEN + 1)
+        ntok = int((tgt_out != PAD).sum())
+        batches.append(Batch(_padded(src, MAX_LEN), tgt_in, tgt_out, ntok))
+    return batches
+
+
+def make_decode_sources(seed: int) -> Tensor:
+    return _padded(_sentences(torch.Generator().manual_seed(seed + 1), DECODE_BATCH), MAX_LEN)
+
+
+# -------------------------------------------------------------------------------------- FLOPs
+
+
+def forward_flops(ls: int, lt: int) -> dict[str, int]:
+    """Matmul FLOPs of one forward pass of one sentence at padded lengths (ls, lt); see docstring."""
+    d, f, v = D_MODEL, FFN_DIM, VOCAB
+    parts = {
+        "encoder": LAYERS * (4 * 2 * ls * d * d + 2 * 2 * ls * ls * d + 2 * 2 * ls * d * f),
+        "decoder_self": LAYERS * (4 * 2 * lt * d * d + 2 * 2 * lt * lt * d),
+        "decoder_cross": LAYERS * (2 * 2 * lt * d * d + 2 * 2 * ls * d * d + 2 * 2 * lt * ls * d),
+        "decoder_ffn": LAYERS * 2 * 2 * lt * d * f,
+        "output": 2 * lt * d * v,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+# --------------------------------------------------------------------------------------- peak
+
+
+def _median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def matmul_peak(reps: int) -> dict[str, Any]:
+    shapes = [(4096, 256, 1024), (4096, 1024, 256), (4096, 256, 256), (4096, 256, 8000)]
+    out: dict[str, Any] = {}
+    gen = torch.Generator().manual_seed(0)
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        per_shape = {}
+        for m, k, n in shapes:
+            a = torch.randn(m, k, generator=gen).to(dtype)
+            b = torch.randn(k, n, generator=gen).to(dtype)
+            seconds = _median_time(lambda a=a, b=b: torch.matmul(a, b), reps)
+            per_shape[f"{m}x{k}@{k}x{n}"] = 2 * m * k * n / seconds / 1e9
+        out[name] = {"per_shape_gflops": per_shape, "peak_gflops": max(per_shape.values())}
+    return out
+
+
+# ------------------------------------------------------------------------------------- models
+
+
+def tpe_model(kind: str) -> Transformer:
+    torch.manual_seed(SEED)
+    args = ModelArgs(
+        vocab_size=VOCAB,
+        pad_id=PAD,
+        bos_id=BOS,
+        eos_id=EOS,
+        d_model=D_MODEL,
+        n_heads=N_HEADS,
+        ffn_dim=FFN_DIM,
+        encoder_layers=LAYERS,
+        decoder_layers=LAYERS,
+        dropout=0.1,
+        encoder_position=kind,
+        decoder_position=kind,
+        position=PositionArgs(d_model=D_MODEL, n_heads=N_HEADS, causal=False, max_positions=1024),
+    )
+    return Transformer(args)
+
+
+def hf_model(name: str) -> nn.Module:
+    """A Hugging Face encoder-decoder of the benchmark's shape, random weights, no download."""
+    import transformers as tf
+
+    torch.manual_seed(SEED)
+    ids = {"pad_token_id": PAD, "bos_token_id": BOS, "eos_token_id": EOS, "decoder_start_token_id": BOS}
+    if name in ("hf-marian", "hf-bart"):
+        common = dict(
+            vocab_size=VOCAB,
+            d_model=D_MODEL,
+            encoder_layers=LAYERS,
+            decoder_layers=LAYERS,
+            encoder_attention_heads=N_HEADS,
+            decoder_attention_heads=N_HEADS,
+            encoder_ffn_dim=FFN_DIM,
+            decoder_ffn_dim=FFN_DIM,
+            activation_function="relu",
+            dropout=0.1,
+            attention_dropout=0.0,
+            activation_dropout=0.0,
+            encoder_layerdrop=0.0,
+            decoder_layerdrop=0.0,
+            max_position_embeddings=1024,
+            scale_embedding=True,
+            tie_word_embeddings=True,
+            forced_eos_token_id=None,
+            **ids,
+        )
+        if name == "hf-marian":
+            config = tf.MarianConfig(
+                decoder_vocab_size=VOCAB, share_encoder_decoder_embeddings=True, **common
+            )
+            return tf.MarianMTModel(config)
+        return tf.BartForConditionalGeneration(tf.BartConfig(forced_bos_token_id=None, **common))
+    if name == "hf-t5":
+        config = tf.T5Config(
+            vocab_size=VOCAB,
+            d_model=D_MODEL,
+            d_kv=D_MODEL // N_HEADS,
+            d_ff=FFN_DIM,
+            num_layers=LAYERS,
+            num_decoder_layers=LAYERS,
+            num_heads=N_HEADS,
+            relative_attention_num_buckets=32,
+            relative_attention_max_distance=128,
+            dropout_rate=0.1,
+            feed_forward_proj="relu",
+            tie_word_embeddings=True,
+            **ids,
+        )
+        return tf.T5ForConditionalGeneration(config)
+    raise ValueError(name)
+
+
+def n_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def attn_impl(model: nn.Module) -> str:
+    config = getattr(model, "config", None)
+    return str(getattr(config, "_attn_implementation", "sdpa/explicit")) if config else "sdpa/explicit"
+
+
+# ------------------------------------------------------------------------------------ training
+
+
+@dataclass
+class TrainRow:
+    name: str  # "none" ... "rope", "hf-marian", ...
+    dtype: str  # "fp32" | "bf16"
+    model: nn.Module
+    batches: list[Batch]
+    times: list[float] = field(default_factory=list)
+    losses: list[float] = field(default_factory=list)
+    _step: int = 0
+
+    def __post_init__(self) -> None:
+        self.model.train()
+        self.opt = torch.optim.Adam(self.model.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-8)
+        self.hf = self.name.startswith("hf-")
+
+    def logits(self, b: Batch) -> Tensor:
+        if self.hf:
+            return self.model(
+                input_ids=b.src,
+                attention_mask=(b.src != PAD).long(),
+                decoder_input_ids=b.tgt_in,
+                use_cache=False,
+            ).logits
+        return self.model(b.src, b.tgt_in)
+
+    def step(self) -> None:
+        b = self.batches[self._step % len(self.batches)]
+        self._step += 1
+        self.opt.zero_grad(set_to_none=True)
+        ctx = (
+            torch.autocast("cpu", dtype=torch.bfloat16) if self.dtype == "bf16" else contextlib.nullcontext()
+        )
+        with ctx:
+            logits = self.logits(b)
+            loss, _, ntok = label_smoothed_loss(logits, b.tgt_out, pad_id=PAD, epsilon=EPSILON)
+        (loss / ntok).backward()
+        self.opt.step()
+        self.losses.append(float(loss) / int(ntok))
+
+
+# ------------------------------------------------------------------------------------ decoding
+
+
+def suppress_early_eos(model: Transformer, n: int) -> Transformer:
+    """Per instance: EOS logit -inf while fewer than ``n`` target tokens were decoded."""
+    inner = model.decode
+
+    def decode(tgt_in: Tensor, memory: Memory, cache: Any = None) -> Tensor:
+        offset = cache.offset if cache is not None else 0
+        logits = inner(tgt_in, memory, cache)
+        if cache is not None and offset < n:
+            logits[..., EOS] = float("-inf")
+        return logits
+
+    model.decode = decode  # type: ignore[method-assign]
+    return model
+
+
+@dataclass
+class DecodeRow:
+    name: str
+    model: nn.Module
+    src: Tensor
+    times: list[float] = field(default_factory=list)
+    lengths: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.model.eval()
+        self.hf = self.name.startswith("hf-")
+        if self.hf:
+            from transformers import GenerationConfig
+
+            self.gen_config = GenerationConfig(
+                num_beams=4,
+                length_penalty=0.6,
+                min_new_tokens=DECODE_NEW + 1,
+                max_new_tokens=DECODE_NEW + 1,
+                do_sample=False,
+                early_stopping=False,
+                use_cache=True,
+                pad_token_id=PAD,
+                bos_token_id=BOS,
+                eos_token_id=EOS,
+                decoder_start_token_id=BOS,
+            )
+        else:
+            assert isinstance(self.model, Transformer)
+            suppress_early_eos(self.model, DECODE_NEW)
+
+    def step(self) -> None:
+        with torch.inference_mode():
+            if self.hf:
+                out = self.model.generate(  # type: ignore[operator]
+                    input_ids=self.src,
+                    attention_mask=(self.src != PAD).long(),
+                    generation_config=self.gen_config,
+                )
+                # minus the decoder start token; EOS never appears (suppressed throughout)
+                self.lengths = [int((row[1:] != PAD).sum()) for row in out]
+            else:
+                assert isinstance(self.model, Transformer)
+                hyps = beam_search(
+                    self.model, self.src, beam=4, alpha=0.6, max_len_a=0.0, max_len_b=DECODE_NEW + 1
+                )
+                self.lengths = [len(h) + 1 for h in hyps]  # + the EOS step
+
+
+# -------------------------------------------------------------------------------------- runner
+
+
+def run_interleaved(rows: list[Any], warmup: int, steps: int, label: str) -> None:
+    """Warm every row up, then ``steps`` rounds of one timed step per row, order rotated per round."""
+    for row in rows:
+        t0 = time.perf_counter()
+        for _ in range(warmup):
+            row.step()
+        print(
+            f"  [{label}] warmed up {row.name:<11} {getattr(row, 'dtype', '')}"
+            f" in {time.perf_counter() - t0:6.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+    gc.collect()
+    for r in range(steps):
+        t_round = time.perf_counter()
+        shift = r % len(rows)
+        for row in rows[shift:] + rows[:shift]:
+            t0 = time.perf_counter()
+            row.step()
+            row.times.append(time.perf_counter() - t0)
+        print(
+            f"  [{label}] round {r + 1}/{steps} in {time.perf_counter() - t_round:6.1f} s",
+            file=sys.stderr,
+            flush=True,
+        )
+
+
+def _fmt(x: float | None, spec: str) -> str:
+    return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
+
+
+def train_results(rows: list[TrainRow], batches: list[Batch], peak: dict[str, Any]) -> list[dict[str, Any]]:
+    flops = forward_flops(MAX_LEN, MAX_LEN + 1)["total"] * BATCH * 3
+    mean_tok = statistics.mean(b.ntok for b in batches)
+    base = {r.dtype: statistics.median(r.times) for r in rows if r.name == "none"}
+    hf = {(r.name, r.dtype): mean_tok / statistics.median(r.times) for r in rows if r.hf}
+    results = []
+    for r in rows:
+        step = statistics.median(r.times)
+        tps = mean_tok / step
+        match = HF_MATCH.get(r.name)
+        results.append(
+            {
+                "model": r.name,
+                "dtype": r.dtype,
+                "params": n_params(r.model),
+                "attention": attn_impl(r.model),
+                "tokens_per_s": tps,
+                "step_ms": 1000 * step,
+                "step_ms_all": [1000 * t for t in r.times],
+                "vs_hf": tps / hf[(match, r.dtype)] if (match, r.dtype) in hf else None,
+                "vs_none": step / base[r.dtype] if r.dtype in base else None,
+                "model_gflops": flops / step / 1e9,
+                "mfu_fp32_peak": flops / step / 1e9 / peak["fp32"]["peak_gflops"],
+                "mfu_own_peak": flops / step / 1e9 / peak[r.dtype]["peak_gflops"],
+                "last_loss": r.losses[-1],
+            }
+        )
+    return results
+
+
+def print_train(results: list[dict[str, Any]]) -> None:
+    print(
+        f"\n{'model':<12}{'dtype':<6}{'tok/s':>9}{'step ms':>10}{'vs HF':>8}{'vs none':>9}"
+        f"{'GFLOP/s':>9}{'MFU':>7}{'MFU(bf16pk)':>13}{'params':>10}  attention"
+    )
+    for r in results:
+        own = _fmt(100 * r["mfu_own_peak"], ".1f") + "%" if r["dtype"] == "bf16" else "-"
+        print(
+            f"{r['model']:<12}{r['dtype']:<6}{r['tokens_per_s']:>9.0f}{r['step_ms']:>10.0f}"
+            f"{_fmt(r['vs_hf'], '.2f'):>8}{_fmt(r['vs_none'], '.2f'):>9}{r['model_gflops']:>9.1f}"
+            f"{100 * r['mfu_fp32_peak']:>6.1f}%{own:>13}{r['params'] / 1e6:>9.2f}M  {r['attention']}"
+        )
+
+
+def decode_results(rows: list[DecodeRow]) -> list[dict[str, Any]]:
+    res = {}
+    for r in rows:
+        t = statistics.median(r.times)
+        res[r.name] = {
+            "model": r.name,
+            "seconds": t,
+            "sentences_per_s": DECODE_BATCH / t,
+            "tokens_per_s": sum(r.lengths) / t,
+            "decoded_steps_per_sentence": statistics.mean(r.lengths),
+            "seconds_all": r.times,
+        }
+    for out in res.values():
+        match = HF_MATCH.get(out["model"])
+        out["vs_hf"] = out["sentences_per_s"] / res[match]["sentences_per_s"] if match in res else None
+    return list(res.values())
+
+
+def print_decode(results: list[dict[str, Any]]) -> None:
+    print(f"\n{'model':<12}{'sent/s':>9}{'tok/s':>9}{'steps':>7}{'batch s':>9}{'vs HF':>8}")
+    for r in results:
+        print(
+            f"{r['model']:<12}{r['sentences_per_s']:>9.1f}{r['tokens_per_s']:>9.0f}"
+            f"{r['decoded_steps_per_sentence']:>7.1f}{r['seconds']:>9.2f}{_fmt(r['vs_hf'], '.2f'):>8}"
+        )
+
+
+# ---------------------------------------------------------------------------------------- main
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    kinds = POSITIONS.names()
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=10, help="timed training steps per row (default 10)")
+    p.add_argument("--warmup", type=int, default=3, help="untimed training steps per row (default 3)")
+    p.add_argument(
+        "--only",
+        type=lambda s: [k.strip() for k in s.split(",") if k.strip()],
+        default=kinds,
+        help=f"comma-separated tpe encodings ({','.join(kinds)}); HF rows follow their match",
+    )
+    p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face models")
+    p.add_argument("--no-decode", action="store_true", help="skip the beam-search benchmark")
+    p.add_argument("--no-bf16", action="store_true", help="training in fp32 only")
+    p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument("--json", type=Path, help="write every number to this file")
+    args = p.parse_args(argv)
+    unknown = [k for k in args.only if k not in kinds]
+    if unknown:
+        p.error(f"unknown encoding(s) {unknown}; choose from {kinds}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    kinds = [k for k in POSITIONS.names() if k in args.only]
+    hf_names = [] if args.no_hf else [HF_MATCH[k] for k in kinds if k in HF_MATCH]
+    dtypes = ["fp32"] if args.no_bf16 else ["fp32", "bf16"]
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    env = {
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "loadavg_at_start": load,
+        "python": platform.python_version(),
+    }
+    if hf_names:
+        import transformers
+
+        env["transformers"] = transformers.__version__
+    print(f"env: {env}")
+
+    fl = forward_flops(MAX_LEN, MAX_LEN + 1)
+    batches = make_batches(SEED)
+    mean_tok = statistics.mean(b.ntok for b in batches)
+    print(
+        f"\nshape: d_model {D_MODEL}, {N_HEADS} heads, FFN {FFN_DIM}, {LAYERS}+{LAYERS} layers,"
+        f" vocab {VOCAB}; batch {BATCH}, padded Ls {MAX_LEN} / Lt {MAX_LEN + 1},"
+        f" {mean_tok:.0f} target tokens/batch (mean)"
+    )
+    print("model FLOPs (matmul, 2/MAC, padded lengths; training = 3 x forward):")
+    for part, value in fl.items():
+        print(
+            f"  {part:<14} {value / 1e6:9.2f} MFLOP/sentence fwd  {value * BATCH / 1e9:8.2f} GFLOP/batch fwd"
+            f"  {3 * value * BATCH / 1e9:8.2f} GFLOP/batch train"
+        )
+
+    print("\nmatmul peak (median GFLOP/s per shape):", file=sys.stderr)
+    peak = matmul_peak(reps=7)
+    for dtype, info in peak.items():
+        shapes = "  ".join(f"{s} {g:.0f}" for s, g in info["per_shape_gflops"].items())
+        print(f"{dtype} matmul peak {info['peak_gflops']:.1f} GFLOP/s   ({shapes})")
+
+    train_rows = [
+        TrainRow(name, dtype, tpe_model(name) if not name.startswith("hf-") else hf_model(name), batches)
+        for dtype in dtypes
+        for name in [*kinds, *hf_names]
+    ]
+    run_interleaved(train_rows, args.warmup, args.steps, "train")
+    train = train_results(train_rows, batches, peak)
+    print(
+        f"\ntraining step (fwd + label-smoothed loss + bwd + Adam), median of {args.steps} interleaved steps"
+        f" after {args.warmup} warm-up; vs HF = tok/s / tok/s of matching HF model;"
+        " vs none = step time / tpe none's; MFU vs fp32 matmul peak"
+    )
+    print_train(train)
+    del train_rows
+    gc.collect()
+
+    decode: list[dict[str, Any]] = []
+    if not args.no_decode:
+        src = make_decode_sources(SEED)
+        rows = [DecodeRow(k, tpe_model(k), src) for k in kinds] + [
+            DecodeRow(n, hf_model(n), src) for n in hf_names
+        ]
+        run_interleaved(rows, min(args.warmup, 1), max(1, min(args.steps, 3)), "decode")
+        decode = decode_results(rows)
+        print(
+            f"\nbeam search: beam 4, alpha 0.6, KV cache, fp32, {DECODE_BATCH} sentences"
+            f" (src {MIN_LEN}-{MAX_LEN}),"
+            f" exactly {DECODE_NEW + 1} decoder steps per sentence (EOS suppressed before), median batch time"
+        )
+        print_decode(decode)
+
+    elapsed = time.perf_counter() - started
+    print(f"\ntotal {elapsed:.0f} s")
+    if args.json:
+        payload = {
+            "env": env,
+            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "shape": {
+                "d_model": D_MODEL,
+                "heads": N_HEADS,
+                "ffn": FFN_DIM,
+                "layers": LAYERS,
+                "vocab": VOCAB,
+                "batch": BATCH,
+                "src_padded": MAX_LEN,
+                "tgt_padded": MAX_LEN + 1,
+                "target_tokens_per_batch": mean_tok,
+            },
+            "forward_flops_per_sentence": fl,
+            "train_flops_per_step": fl["total"] * BATCH * 3,
+            "peak": peak,
+            "train": train,
+            "decode": decode,
+            "seconds": elapsed,
+        }
+        args.json.write_text(json.dumps(payload, indent=2))
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,54 @@
+"""The design's dependency rules, checked on the import graph, and the CI/README contract."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "tpe_train"
+
+
+def imports(path: Path) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_model_and_positions_import_only_torch_and_each_other() -> None:
+    for folder in ("model", "positions"):
+        for path in (PKG / folder).glob("*.py"):
+            for name in imports(path):
+                top = name.split(".")[0]
+                if top == "tpe_train":
+                    allowed = ("tpe_train.model", "tpe_train.positions", "tpe_train.registry")
+                    assert name.startswith(allowed), f"{path.name} imports {name}"
+                else:
+                    assert top in {"torch", "__future__", "math", "dataclasses", "typing", "collections"}, (
+                        f"{path.relative_to(ROOT)} imports {name}"
+                    )
+
+
+def test_nothing_imports_train() -> None:
+    for path in PKG.rglob("*.py"):
+        if path.name != "train.py":
+            assert "tpe_train.train" not in imports(path), path
+
+
+def test_files_stay_small() -> None:
+    for path in PKG.rglob("*.py"):
+        assert len(path.read_text().splitlines()) <= 600, path
+    assert len((PKG / "train.py").read_text().splitlines()) <= 300
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    readme = (ROOT / "README.md").read_text().splitlines()
+    test_cmd = next(line.strip() for line in readme[:12] if "pytest" in line)
+    demo_cmd = next(line.strip() for line in readme[:12] if line.endswith("&& tpe-train"))
+    assert demo_cmd.startswith("python -m pip install torch==2.13.0")
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert test_cmd in ci

@@ -1,0 +1,109 @@
+"""The demo preset end to end: a few steps, TensorBoard events read back, the checkpoint, tpe-eval."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tpe_train.checkpoint import load_export
+
+TINY = [
+    "data.synthetic.train_size=400",
+    "data.synthetic.valid_size=20",
+    "data.synthetic.test_size=30",
+    "data.synthetic.long_size=10",
+    "data.synthetic.probe_size=10",
+    "data.vocab_size=200",
+    "data.max_tokens=1024",
+    "model.d_model=32",
+    "model.ffn_dim=64",
+    "model.encoder_layers=1",
+    "model.decoder_layers=1",
+    "train.max_steps=6",
+    "train.log_every=2",
+    "train.valid_every=3",
+    "train.valid_bleu_size=5",
+    "train.progress=false",
+    "eval.beam=2",
+]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("demo") / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpe_train.train", "--preset", "demo", *TINY, f"train.run_dir={out}"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "word-order probe accuracy" in proc.stdout  # the closing table
+    return out
+
+
+def test_run_dir_holds_config_events_and_checkpoint(run_dir: Path) -> None:
+    assert (run_dir / "config.yaml").is_file()
+    ckpt = run_dir / "checkpoint"
+    for name in ("model.safetensors", "config.yaml", "tokenizer.json", "meta.json"):
+        assert (ckpt / name).is_file(), name
+    model, cfg, tok = load_export(ckpt)
+    assert cfg.train.max_steps == 6 and cfg.model.d_model == 32
+    assert tok.get_vocab_size() == 200
+    assert model.args.vocab_size == 200
+
+
+def test_tensorboard_events_read_back(run_dir: Path) -> None:
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    expected = {
+        "train/loss",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "valid/nll",
+        "valid/bleu",
+        "test/bleu",
+        "test/probe_accuracy",
+    }
+    assert expected <= tags
+    assert [e.step for e in events.Scalars("train/loss")] == [2, 4, 6]
+    assert [e.step for e in events.Scalars("valid/nll")] == [3, 6]
+    lrs = [e.value for e in events.Scalars("train/lr")]
+    assert lrs == sorted(lrs) and lrs[0] > 0  # still warming up
+
+
+def test_tpe_eval_json(run_dir: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpe_train.evaluate", "--checkpoint", str(run_dir / "checkpoint"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    figures = json.loads(proc.stdout)
+    for key in ("bleu", "bleu_signature", "chrf", "exact_match", "probe_accuracy", "bleu_by_length"):
+        assert key in figures
+    assert figures["bleu_signature"].startswith("nrefs:1|case:mixed")
+    assert figures["probe_pairs"] == 10 and figures["test_sentences"] == 30
+    assert 0.0 <= figures["probe_accuracy"] <= 1.0
+    # the same figures as the end of training (same model, same deterministic decoding)
+    trained = json.loads((run_dir / "eval.json").read_text())
+    assert figures["bleu"] == pytest.approx(trained["bleu"])
+
+
+def test_tpe_eval_rejects_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpe_train.evaluate", "--checkpoint", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "is not a tpe-train checkpoint" in proc.stderr and "Traceback" not in proc.stderr
