@@ -8,7 +8,7 @@ import torch
 from conftest import KINDS, tiny_model
 
 from tpe_train.model.generate import beam_search, greedy
-from tpe_train.model.transformer import label_smoothed_loss
+from tpe_train.model.loss import label_smoothed_loss
 
 
 def test_none_encoder_is_permutation_equivariant() -> None:
@@ -107,3 +107,45 @@ def test_tiny_model_overfits_a_tiny_batch(kind: str) -> None:
         (loss / ntok).backward()
         opt.step()
     assert float(loss.detach() / ntok) < 0.05
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "shaw+values"])
+def test_bf16_autocast_trains_every_encoding(kind: str) -> None:
+    model = tiny_model("shaw", shaw_values=True) if kind == "shaw+values" else tiny_model(kind)
+    model.train()
+    src = torch.randint(3, 40, (4, 6))
+    src[1, 4:] = 0
+    tgt_out = torch.cat([src.flip(1), torch.full((4, 1), 2)], dim=1)
+    tgt_in = torch.cat([torch.full((4, 1), 1), tgt_out[:, :-1]], dim=1)
+    opt = torch.optim.Adam(model.parameters(), lr=3e-3)
+    losses = []
+    for _ in range(30):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(src, tgt_in)
+        assert logits.dtype == torch.bfloat16
+        loss, _, ntok = label_smoothed_loss(logits, tgt_out, 0, 0.1)
+        opt.zero_grad()
+        (loss / ntok).backward()
+        opt.step()
+        losses.append(float(loss.detach() / ntok))
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert losses[-1] < 0.7 * losses[0]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_label_smoothed_loss_gradient_matches_autograd_reference(dtype: torch.dtype) -> None:
+    logits = torch.randn(3, 7, 13, dtype=dtype, requires_grad=True)
+    target = torch.randint(1, 13, (3, 7))
+    target[1, 4:] = 0
+    loss, _, _ = label_smoothed_loss(logits, target, pad_id=0, epsilon=0.1)
+    (loss * 0.5).backward()
+    ours = logits.grad
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    ref = torch.nn.functional.cross_entropy(
+        ref_logits.float().view(-1, 13), target.view(-1), ignore_index=0, label_smoothing=0.1, reduction="sum"
+    )
+    (ref * 0.5).backward()
+    assert ours is not None and ours.dtype == dtype
+    tol = 1e-6 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(ours, ref_logits.grad, atol=tol, rtol=tol)
+    torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-5)

@@ -260,18 +260,3 @@ class Transformer(nn.Module):
 
     def new_cache(self) -> DecoderCache:
         return DecoderCache.empty(len(self.decoder.layers))
-
-
-def label_smoothed_loss(
-    logits: Tensor, target: Tensor, pad_id: int, epsilon: float
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Sums over non-pad tokens: (label-smoothed loss, nll, token count).
-
-    loss = (1 - eps) * nll + eps * mean_v(-log p_v), as ``F.cross_entropy(label_smoothing=eps)``.
-    """
-    lprobs = F.log_softmax(logits.float(), dim=-1)  # (B, L, V)
-    nonpad = target != pad_id
-    nll = -lprobs.gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    smooth = -lprobs.mean(dim=-1)
-    loss = ((1.0 - epsilon) * nll + epsilon * smooth)[nonpad].sum()
-    return loss, nll[nonpad].sum().detach(), nonpad.sum()
