@@ -2,13 +2,13 @@
 
 Run from the repository root (CPU; the numbers are only comparable *within one run*)::
 
-    python benchmarks/bench_train.py                     # everything, ~10 minutes on 2 cores
+    python benchmarks/bench_train.py                     # everything: ~10 min on 2 idle cores
     python benchmarks/bench_train.py --steps 2 --warmup 1 --only none,rope --no-decode
     python benchmarks/bench_train.py --json bench.json   # also write every number
 
 Shape (one issue's): d_model 256, 4 heads, FFN 1024, 3 + 3 layers, one shared vocabulary of 8,000
 with tied embeddings, dropout 0.1 (attention and activation dropout 0), batches of 128 sentences
-whose source and target lengths are uniform in [24, 36] (target + EOS: ~31 tokens, ~3,970 target
+whose source and target lengths are uniform in [24, 36] (target + EOS: ~31 tokens, ~4,000 target
 tokens per batch), right-padded to 36 source / 37 target positions. Token ids are random (3..7999,
 fixed seed) and every model sees the same batches in the same order.
 
@@ -16,7 +16,9 @@ What is measured
 ----------------
 1. **Peak**: ``torch.matmul`` GFLOP/s on the model's own GEMM shapes ((4096x256)@(256x1024),
    (4096x1024)@(1024x256), (4096x256)@(256x256), (4096x256)@(256x8000)), median of several timed
-   repetitions per shape, in fp32 and bf16; the peak is the best shape's median.
+   repetitions per shape, in fp32 and bf16; the peak is the best shape's median. It is measured once
+   at the start and again as one more row of the interleaved training rounds (3 repetitions per
+   shape per round); MFU uses the latter, taken under the same machine load as the steps.
 2. **Training step**: forward + label-smoothed loss (eps 0.1, ``label_smoothed_loss`` on the logits
    for *every* model, HF ones included, never HF's ``labels=``) + backward + Adam step, dropout on,
    in fp32 and under ``torch.autocast("cpu", dtype=torch.bfloat16)`` around forward + loss (fp32
@@ -49,11 +51,12 @@ What is measured
 
    - tpe_train: ``beam_search(model, src, beam=4, alpha=0.6, max_len_a=0, max_len_b=N + 1)`` on a
      model whose ``decode`` sets the EOS logit to -inf during the first N steps (a per-instance
-     wrapper, one ``masked_fill`` of the (B*K, 1, V) logits per step: exactly what HF's
+     wrapper, one in-place write into the (B*K, 1, V) logits per step: what HF's
      ``min_new_tokens`` logits processor does); step N + 1 is then forced to EOS by the length
      limit, so every hypothesis is N tokens + EOS after N + 1 decoder calls.
    - Hugging Face: ``generate(num_beams=4, length_penalty=0.6, min_new_tokens=N + 1,
-     max_new_tokens=N + 1)``: EOS suppressed throughout, N + 1 decoder calls, N + 1 tokens.
+     max_new_tokens=N + 1, suppress_tokens=[pad])``: EOS suppressed throughout, N + 1 decoder
+     calls, N + 1 tokens (pad is suppressed as tpe_train's beam search does).
 
    Reported: sentences/s and decoded tokens/s (sentences x (N + 1) decoder steps, EOS counted), and
    the ratio to the matching HF model. The EOS suppression costs both sides the same trivial op.
@@ -77,7 +80,6 @@ import platform
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -91,7 +93,8 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout without install
 
 from tpe_train.model.args import ModelArgs  # noqa: E402
 from tpe_train.model.generate import beam_search  # noqa: E402
-from tpe_train.model.transformer import Memory, Transformer, label_smoothed_loss  # noqa: E402
+from tpe_train.model.loss import label_smoothed_loss  # noqa: E402
+from tpe_train.model.transformer import Memory, Transformer  # noqa: E402
 from tpe_train.positions import POSITIONS, PositionArgs  # noqa: E402
 
 D_MODEL, N_HEADS, FFN_DIM, LAYERS, VOCAB = 256, 4, 1024, 3, 8000
@@ -170,30 +173,55 @@ def forward_flops(ls: int, lt: int) -> dict[str, int]:
 # --------------------------------------------------------------------------------------- peak
 
 
-def _median_time(fn: Callable[[], object], reps: int, warmup: int = 2) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+PEAK_SHAPES = [(4096, 256, 1024), (4096, 1024, 256), (4096, 256, 256), (4096, 256, 8000)]
+PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def matmul_peak(reps: int) -> dict[str, Any]:
-    shapes = [(4096, 256, 1024), (4096, 1024, 256), (4096, 256, 256), (4096, 256, 8000)]
-    out: dict[str, Any] = {}
-    gen = torch.Generator().manual_seed(0)
-    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
-        per_shape = {}
-        for m, k, n in shapes:
-            a = torch.randn(m, k, generator=gen).to(dtype)
-            b = torch.randn(k, n, generator=gen).to(dtype)
-            seconds = _median_time(lambda a=a, b=b: torch.matmul(a, b), reps)
-            per_shape[f"{m}x{k}@{k}x{n}"] = 2 * m * k * n / seconds / 1e9
-        out[name] = {"per_shape_gflops": per_shape, "peak_gflops": max(per_shape.values())}
-    return out
+class PeakSampler:
+    """GFLOP/s of ``torch.matmul`` on the model's GEMM shapes; a row of the interleaved rounds too,
+    so that the peak behind MFU is measured under the same machine load as the training steps."""
+
+    name, dtype, warmup_steps = "matmul-peak", "", 0  # warmed up by its constructor
+
+    def __init__(self, reps: int) -> None:
+        gen = torch.Generator().manual_seed(0)
+        self.reps = reps
+        self.times: list[float] = []
+        self.operands = {
+            (dt, (m, k, n)): (
+                torch.randn(m, k, generator=gen).to(PEAK_DTYPES[dt]),
+                torch.randn(k, n, generator=gen).to(PEAK_DTYPES[dt]),
+            )
+            for dt in PEAK_DTYPES
+            for m, k, n in PEAK_SHAPES
+        }
+        self.samples: dict[tuple[str, tuple[int, int, int]], list[float]] = {key: [] for key in self.operands}
+        for a, b in self.operands.values():  # untimed first call per shape
+            torch.matmul(a, b)
+
+    def step(self) -> None:
+        for (dt, (m, k, n)), (a, b) in self.operands.items():
+            for _ in range(self.reps):
+                t0 = time.perf_counter()
+                torch.matmul(a, b)
+                self.samples[(dt, (m, k, n))].append(2 * m * k * n / (time.perf_counter() - t0) / 1e9)
+
+    def result(self) -> dict[str, Any]:
+        """Per dtype: median GFLOP/s per shape, and the peak = the best shape's median."""
+        out: dict[str, Any] = {}
+        for dt in PEAK_DTYPES:
+            per_shape = {
+                f"{m}x{k}@{k}x{n}": statistics.median(self.samples[(dt, (m, k, n))])
+                for m, k, n in PEAK_SHAPES
+            }
+            out[dt] = {"per_shape_gflops": per_shape, "peak_gflops": max(per_shape.values())}
+        return out
+
+
+def print_peak(label: str, peak: dict[str, Any]) -> None:
+    for dt, info in peak.items():
+        shapes = "  ".join(f"{s} {g:.0f}" for s, g in info["per_shape_gflops"].items())
+        print(f"{dt} matmul peak {label}: {info['peak_gflops']:6.1f} GFLOP/s  ({shapes})")
 
 
 # ------------------------------------------------------------------------------------- models
@@ -322,7 +350,7 @@ class TrainRow:
             loss, _, ntok = label_smoothed_loss(logits, b.tgt_out, pad_id=PAD, epsilon=EPSILON)
         (loss / ntok).backward()
         self.opt.step()
-        self.losses.append(float(loss) / int(ntok))
+        self.losses.append(float(loss.detach()) / int(ntok))
 
 
 # ------------------------------------------------------------------------------------ decoding
@@ -364,6 +392,7 @@ class DecodeRow:
                 max_new_tokens=DECODE_NEW + 1,
                 do_sample=False,
                 early_stopping=False,
+                suppress_tokens=[PAD],
                 use_cache=True,
                 pad_token_id=PAD,
                 bos_token_id=BOS,
@@ -383,7 +412,7 @@ class DecodeRow:
                     generation_config=self.gen_config,
                 )
                 # minus the decoder start token; EOS never appears (suppressed throughout)
-                self.lengths = [int((row[1:] != PAD).sum()) for row in out]
+                self.lengths = [out.shape[1] - 1] * out.shape[0]
             else:
                 assert isinstance(self.model, Transformer)
                 hyps = beam_search(
@@ -399,7 +428,7 @@ def run_interleaved(rows: list[Any], warmup: int, steps: int, label: str) -> Non
     """Warm every row up, then ``steps`` rounds of one timed step per row, order rotated per round."""
     for row in rows:
         t0 = time.perf_counter()
-        for _ in range(warmup):
+        for _ in range(getattr(row, "warmup_steps", warmup)):
             row.step()
         print(
             f"  [{label}] warmed up {row.name:<11} {getattr(row, 'dtype', '')}"
@@ -444,6 +473,7 @@ def train_results(rows: list[TrainRow], batches: list[Batch], peak: dict[str, An
                 "attention": attn_impl(r.model),
                 "tokens_per_s": tps,
                 "step_ms": 1000 * step,
+                "step_ms_min": 1000 * min(r.times),
                 "step_ms_all": [1000 * t for t in r.times],
                 "vs_hf": tps / hf[(match, r.dtype)] if (match, r.dtype) in hf else None,
                 "vs_none": step / base[r.dtype] if r.dtype in base else None,
@@ -458,13 +488,13 @@ def train_results(rows: list[TrainRow], batches: list[Batch], peak: dict[str, An
 
 def print_train(results: list[dict[str, Any]]) -> None:
     print(
-        f"\n{'model':<12}{'dtype':<6}{'tok/s':>9}{'step ms':>10}{'vs HF':>8}{'vs none':>9}"
+        f"\n{'model':<12}{'dtype':<6}{'tok/s':>9}{'step ms':>10}{'min ms':>8}{'vs HF':>8}{'vs none':>9}"
         f"{'GFLOP/s':>9}{'MFU':>7}{'MFU(bf16pk)':>13}{'params':>10}  attention"
     )
     for r in results:
         own = _fmt(100 * r["mfu_own_peak"], ".1f") + "%" if r["dtype"] == "bf16" else "-"
         print(
-            f"{r['model']:<12}{r['dtype']:<6}{r['tokens_per_s']:>9.0f}{r['step_ms']:>10.0f}"
+            f"{r['model']:<12}{r['dtype']:<6}{r['tokens_per_s']:>9.0f}{r['step_ms']:>10.0f}{r['step_ms_min']:>8.0f}"
             f"{_fmt(r['vs_hf'], '.2f'):>8}{_fmt(r['vs_none'], '.2f'):>9}{r['model_gflops']:>9.1f}"
             f"{100 * r['mfu_fp32_peak']:>6.1f}%{own:>13}{r['params'] / 1e6:>9.2f}M  {r['attention']}"
         )
@@ -480,6 +510,7 @@ def decode_results(rows: list[DecodeRow]) -> list[dict[str, Any]]:
             "sentences_per_s": DECODE_BATCH / t,
             "tokens_per_s": sum(r.lengths) / t,
             "decoded_steps_per_sentence": statistics.mean(r.lengths),
+            "seconds_min": min(r.times),
             "seconds_all": r.times,
         }
     for out in res.values():
@@ -560,23 +591,28 @@ def main(argv: list[str] | None = None) -> None:
             f"  {3 * value * BATCH / 1e9:8.2f} GFLOP/batch train"
         )
 
-    print("\nmatmul peak (median GFLOP/s per shape):", file=sys.stderr)
-    peak = matmul_peak(reps=7)
-    for dtype, info in peak.items():
-        shapes = "  ".join(f"{s} {g:.0f}" for s, g in info["per_shape_gflops"].items())
-        print(f"{dtype} matmul peak {info['peak_gflops']:.1f} GFLOP/s   ({shapes})")
+    print("\nmatmul GFLOP/s (median per shape; peak = best shape):")
+    sampler = PeakSampler(reps=7)
+    sampler.step()
+    peak_start = sampler.result()
+    print_peak("at start", peak_start)
 
     train_rows = [
         TrainRow(name, dtype, tpe_model(name) if not name.startswith("hf-") else hf_model(name), batches)
         for dtype in dtypes
         for name in [*kinds, *hf_names]
     ]
-    run_interleaved(train_rows, args.warmup, args.steps, "train")
+    during = PeakSampler(reps=3)
+    run_interleaved([*train_rows, during], args.warmup, args.steps, "train")
+    peak = during.result()
     train = train_results(train_rows, batches, peak)
+    print()
+    print_peak("during training (interleaved with the steps; used for MFU)", peak)
     print(
         f"\ntraining step (fwd + label-smoothed loss + bwd + Adam), median of {args.steps} interleaved steps"
-        f" after {args.warmup} warm-up; vs HF = tok/s / tok/s of matching HF model;"
-        " vs none = step time / tpe none's; MFU vs fp32 matmul peak"
+        f" after {args.warmup} warm-up;\nvs HF = tok/s / tok/s of matching HF model (>1: tpe faster);"
+        " vs none = step time / tpe none's (same dtype);\nMFU = model FLOP/s / fp32 matmul peak;"
+        " MFU(bf16pk) = model FLOP/s / bf16 matmul peak"
     )
     print_train(train)
     del train_rows
@@ -598,6 +634,9 @@ def main(argv: list[str] | None = None) -> None:
         print_decode(decode)
 
     elapsed = time.perf_counter() - started
+    if hasattr(os, "getloadavg"):
+        env["loadavg_at_end"] = os.getloadavg()
+        print(f"load average at start {env['loadavg_at_start']}, at end {env['loadavg_at_end']}")
     print(f"\ntotal {elapsed:.0f} s")
     if args.json:
         payload = {
@@ -616,7 +655,8 @@ def main(argv: list[str] | None = None) -> None:
             },
             "forward_flops_per_sentence": fl,
             "train_flops_per_step": fl["total"] * BATCH * 3,
-            "peak": peak,
+            "peak_at_start": peak_start,
+            "peak_during_training": peak,
             "train": train,
             "decode": decode,
             "seconds": elapsed,

@@ -149,3 +149,29 @@ def test_label_smoothed_loss_gradient_matches_autograd_reference(dtype: torch.dt
     tol = 1e-6 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(ours, ref_logits.grad, atol=tol, rtol=tol)
     torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["sinusoidal", "shaw+values", "t5", "rope"])
+def test_beams_sharing_one_memory_equal_repeated_memory(kind: str) -> None:
+    from dataclasses import replace
+
+    model = tiny_model("shaw", shaw_values=True) if kind == "shaw+values" else tiny_model(kind)
+    if kind in ("t5", "rope"):  # also exercise the cross-attention hooks
+        model = tiny_model(kind, cross_position=kind)
+    src = torch.randint(3, 40, (2, 7))
+    src[1, 5:] = 0
+    memory = model.encode(src)
+    repeated = replace(
+        memory,
+        states=memory.states.repeat_interleave(3, 0),
+        keep=memory.keep.repeat_interleave(3, 0),
+    )
+    grouped = replace(memory, group=3)
+    tgt = torch.randint(3, 40, (6, 4))
+    a, b = model.new_cache(), model.new_cache()
+    for i in range(4):
+        out_rep = model.decode(tgt[:, i : i + 1], repeated, a)
+        out_grp = model.decode(tgt[:, i : i + 1], grouped, b)
+        torch.testing.assert_close(out_grp, out_rep, atol=1e-5, rtol=1e-5)
+    # a multi-token chunk with a group falls back to repeating the memory
+    torch.testing.assert_close(model.decode(tgt, grouped), model.decode(tgt, repeated), atol=1e-5, rtol=1e-5)

@@ -9,10 +9,52 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from tpe_train.positions import PositionEncoding
 
-KVCache = dict[str, Tensor]
+
+class KVCache:
+    """Keys and values of one attention layer during incremental decoding.
+
+    Self-attention appends into a buffer that grows by doubling (``torch.cat`` per step copied the
+    whole prefix, and was slower than the copy itself); cross-attention stores the projected memory
+    once. Tensors are (B, H, L, hd).
+    """
+
+    def __init__(self) -> None:
+        self.k: Tensor | None = None
+        self.v: Tensor | None = None
+        self.length = 0
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Add new keys/values; return all of them (views of the buffer)."""
+        n, new = self.length, k.shape[2]
+        if self.k is None or self.v is None or n + new > self.k.shape[2]:
+            capacity = max(64, 2 * (n + new))
+            grown_k = k.new_empty(*k.shape[:2], capacity, k.shape[3])
+            grown_v = v.new_empty(*v.shape[:2], capacity, v.shape[3])
+            if self.k is not None and self.v is not None:
+                grown_k[:, :, :n] = self.k[:, :, :n]
+                grown_v[:, :, :n] = self.v[:, :, :n]
+            self.k, self.v = grown_k, grown_v
+        self.k[:, :, n : n + new] = k
+        self.v[:, :, n : n + new] = v
+        self.length = n + new
+        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+
+    def store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Keep the projected memory of cross-attention (contiguous once, not copied per step)."""
+        self.k, self.v = k.contiguous(), v.contiguous()
+        self.length = k.shape[2]
+        return self.k, self.v
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows ``index`` (beam search), copying only the filled prefix."""
+        n = self.length
+        if self.k is not None and self.v is not None:
+            self.k[:, :, :n] = self.k[:, :, :n].index_select(0, index)
+            self.v[:, :, :n] = self.v[:, :, :n].index_select(0, index)
 
 
 class Attention(nn.Module):
@@ -42,30 +84,39 @@ class Attention(nn.Module):
         keep: Tensor | None = None,
         causal: bool = False,
         cache: KVCache | None = None,
+        group: int = 1,
     ) -> Tensor:
         """x: (B, Lq, D); memory: (B, Lk, D) for cross-attention (None: self-attention).
 
         ``keep``: bool (B, 1, 1, Lk), False at padded keys. ``cache``: this layer's KV cache, filled
-        in place (self-attention appends; cross-attention projects the memory once).
+        in place (self-attention appends; cross-attention projects the memory once). ``group``: each
+        memory row serves that many consecutive rows of ``x`` (the beams of one sentence).
         """
         q = self._split(self.q(x))
         if memory is None:
             k, v = self._split(self.k(x)), self._split(self.v(x))
             q, k = pos.rotate(q, k, q_pos, q_pos)
             if cache is not None:
-                if "k" in cache:
-                    k = torch.cat((cache["k"], k), dim=2)
-                    v = torch.cat((cache["v"], v), dim=2)
-                cache["k"], cache["v"] = k, v
-        elif cache is not None and "k" in cache:
-            k, v = cache["k"], cache["v"]
+                k, v = cache.append(k, v)
+        elif cache is not None and cache.k is not None and cache.v is not None:
+            k, v = cache.k, cache.v
             q, _ = pos.rotate(q, k[:, :, :0], q_pos, k_pos[:0])
         else:
             k, v = self._split(self.k(memory)), self._split(self.v(memory))
             q, k = pos.rotate(q, k, q_pos, k_pos)
             if cache is not None:
-                cache["k"], cache["v"] = k, v
+                k, v = cache.store(k, v)
 
+        beams = memory is not None and group > 1
+        if beams and q.shape[2] == 1:
+            # The beams of a sentence attend to one memory: make them its queries, (B, H, K, hd),
+            # instead of K copies of the memory (one small GEMM instead of K matrix-vector products).
+            rows, heads, _, hd = q.shape
+            q = q.view(rows // group, group, heads, hd).transpose(1, 2)
+        elif beams:
+            k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
+            keep = keep.repeat_interleave(group, 0) if keep is not None else None
+            beams = False
         causal = causal and q.shape[2] > 1
         p = self.dropout if self.training else 0.0
         bias = pos.attn_bias(q, q_pos, k_pos) if pos.has_bias else None
@@ -73,13 +124,15 @@ class Attention(nn.Module):
             mask = _mask(bias, keep, causal, q_pos, k_pos)
             out = self._explicit(q, k, v, pos, q_pos, k_pos, mask, p)
         elif bias is None and keep is None and causal and q.shape[2] == k.shape[2]:
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+            out = _sdpa(q, k, v, None, p, is_causal=True)
         elif bias is None and not causal:
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=keep, dropout_p=p)
+            out = _sdpa(q, k, v, keep, p)
         else:
             mask = _mask(bias, keep, causal, q_pos, k_pos)
             assert mask is not None
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask.to(q.dtype), dropout_p=p)
+            out = _sdpa(q, k, v, mask.to(q.dtype), p)
+        if beams:
+            out = out.transpose(1, 2).reshape(-1, out.shape[1], 1, out.shape[3])  # (B*K, H, 1, hd)
         b, _, length, _ = out.shape
         return self.out(out.transpose(1, 2).reshape(b, length, -1))
 
@@ -100,6 +153,25 @@ class Attention(nn.Module):
             scores = scores + mask
         weights = F.dropout(torch.softmax(scores.float(), dim=-1).to(q.dtype), p, self.training)
         return torch.matmul(weights, v) + pos.value_term(weights, q_pos, k_pos)
+
+
+def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float, is_causal: bool = False) -> Tensor:
+    """``F.scaled_dot_product_attention``; in bf16/fp16 on the CPU restricted to the math backend.
+
+    PyTorch's CPU flash kernel is about 3x slower than the math path in bf16 at translation lengths
+    (forward + backward, (128, 4, 37, 64): 60 ms against 22 ms), which alone ate bf16's gain; and for
+    the few queries of an incremental decoding step (one token, or the beams of a sentence against
+    its memory) its set-up costs more than the work: plain matmuls are used there.
+    """
+    if q.device.type == "cpu" and q.shape[2] <= 8 and p == 0.0 and not is_causal:
+        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)  # (B, H, Lq, Lk)
+        if mask is not None:
+            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+        return torch.matmul(torch.softmax(scores, dim=-1), v)
+    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+        with sdpa_kernel(SDPBackend.MATH):
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
 
 
 def _mask(

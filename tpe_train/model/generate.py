@@ -68,8 +68,8 @@ def beam_search(
     args = model.args
     batch, device = src.shape[0], src.device
     limit = _max_lengths(model, src, max_len_a, max_len_b)
-    rows = torch.arange(batch, device=device).repeat_interleave(beam)  # (B*K,)
-    memory = model.encode(src).index_select(rows)
+    memory = model.encode(src)
+    memory.group = beam  # every sentence's memory serves its K beams, without K copies
     cache = model.new_cache()
     scores = torch.zeros(batch, beam, device=device)
     scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
@@ -79,7 +79,6 @@ def beam_search(
     for step in range(int(limit.max())):
         logits = model.decode(tokens[:, -1:], memory, cache)[:, -1]  # (B*K, V)
         lprobs = torch.log_softmax(logits.float(), dim=-1)
-        vocab = lprobs.shape[-1]
         forced = (limit <= step + 1).repeat_interleave(beam)  # must end now
         if bool(forced.any()):
             eos_only = torch.full_like(lprobs[0], float("-inf"))
@@ -90,9 +89,13 @@ def beam_search(
                 lprobs,
             )
         lprobs[:, args.pad_id] = float("-inf")
-        cand = (scores.view(-1, 1) + lprobs).view(batch, beam * vocab)
-        top_scores, top_idx = cand.topk(2 * beam, dim=-1)  # (B, 2K)
-        src_beam, token = top_idx // vocab, top_idx % vocab
+        # A sentence's best 2K continuations are among the best 2K of each of its beams: select per
+        # row first, then among the K * 2K survivors (cheaper than adding scores to all K * V).
+        row_scores, row_tokens = lprobs.topk(2 * beam, dim=-1)  # (B*K, 2K)
+        cand = (scores.view(-1, 1) + row_scores).view(batch, 2 * beam * beam)
+        top_scores, top_pos = cand.topk(2 * beam, dim=-1)  # (B, 2K)
+        src_beam = top_pos // (2 * beam)
+        token = row_tokens.view(batch, 2 * beam * beam).gather(1, top_pos)
         is_eos = token == args.eos_id
 
         # Finalize EOS candidates ranked within the first K.

@@ -59,11 +59,11 @@ class Layer(nn.Module):
         x_pos: Tensor,
         keep: Tensor | None,
         causal: bool,
-        memory: tuple[Tensor, Tensor | None, Tensor] | None = None,
+        memory: Memory | None = None,
         cross_pos: PositionEncoding | None = None,
         cache: dict[str, KVCache] | None = None,
     ) -> Tensor:
-        """x: (B, L, D). ``memory``: (encoder output, its keep mask, its positions) for a decoder."""
+        """x: (B, L, D); ``memory``: the encoder's output, for a decoder layer."""
         self_cache = cache["self"] if cache is not None else None
         x = self._residual(
             x,
@@ -81,7 +81,6 @@ class Layer(nn.Module):
         cross_attn, cross_norm = self.cross_attn, self.cross_norm
         if cross_attn is not None and cross_norm is not None:
             assert memory is not None and cross_pos is not None
-            mem, mem_keep, mem_pos = memory
             cross_cache = cache["cross"] if cache is not None else None
             x = self._residual(
                 x,
@@ -90,10 +89,11 @@ class Layer(nn.Module):
                     h,
                     cross_pos,
                     x_pos,
-                    mem_pos,
-                    memory=mem,
-                    keep=mem_keep,
+                    memory.positions,
+                    memory=memory.states,
+                    keep=memory.keep,
                     cache=cross_cache,
+                    group=memory.group,
                 ),
             )
         return self._residual(x, self.ffn_norm, self.ffn)
@@ -101,7 +101,7 @@ class Layer(nn.Module):
 
 def _key_pos(x_pos: Tensor, cache: KVCache | None) -> Tensor:
     """Positions of the self-attention keys: the cached prefix followed by the new tokens."""
-    if cache is None or "k" not in cache:
+    if cache is None or cache.length == 0:
         return x_pos
     return torch.arange(int(x_pos[-1]) + 1, device=x_pos.device)
 
@@ -143,7 +143,7 @@ class Stack(nn.Module):
         x: Tensor,
         x_pos: Tensor,
         keep: Tensor | None,
-        memory: tuple[Tensor, Tensor | None, Tensor] | None = None,
+        memory: Memory | None = None,
         cache: list[dict[str, KVCache]] | None = None,
     ) -> Tensor:
         """x: (B, L, D) scaled token embeddings at positions x_pos (L,)."""
@@ -171,14 +171,16 @@ class DecoderCache:
 
     @classmethod
     def empty(cls, n_layers: int) -> DecoderCache:
-        return cls([{"self": {}, "cross": {}} for _ in range(n_layers)], 0)
+        return cls([{"self": KVCache(), "cross": KVCache()} for _ in range(n_layers)], 0)
 
     def reorder(self, index: Tensor) -> None:
-        """Keep rows ``index`` of the batch (beam search)."""
+        """Keep rows ``index`` of the batch (beam search).
+
+        Only self-attention caches move: beam search reorders rows within a sentence, whose rows
+        share one encoder output, so the cross-attention keys and values are already in place.
+        """
         for layer in self.layers:
-            for kv in layer.values():
-                for name in kv:
-                    kv[name] = kv[name].index_select(0, index)
+            layer["self"].reorder(index)
 
 
 @dataclass
@@ -188,13 +190,7 @@ class Memory:
     states: Tensor  # (B, Ls, D)
     keep: Tensor  # (B, 1, 1, Ls) bool
     positions: Tensor  # (Ls,)
-
-    def index_select(self, index: Tensor) -> Memory:
-        return Memory(
-            self.states.index_select(0, index),
-            self.keep.index_select(0, index),
-            self.positions,
-        )
+    group: int = 1  # decoder rows per memory row (beam search: the beam size)
 
 
 class Transformer(nn.Module):
@@ -247,7 +243,7 @@ class Transformer(nn.Module):
             x,
             positions,
             None,
-            (memory.states, memory.keep, memory.positions),
+            memory,
             cache.layers if cache is not None else None,
         )
         if cache is not None:
