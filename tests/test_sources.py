@@ -1,0 +1,119 @@
+"""Corpus sources and cleaning on data the tests write: hub parquet layout, save_to_disk, text pairs
+(plain and gzipped), and every bad-input case with its message."""
+
+from __future__ import annotations
+
+import gzip
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from datasets import Dataset, DatasetDict
+
+from tpe_train.data.clean import CleanSpec, clean, format_report
+from tpe_train.data.sources import CorpusError, SourceSpec, load_split
+
+PAIRS = [("Hello world", "Hallo Welt"), ("A cat.", "Eine Katze."), ("Thank you", "Danke")]
+
+
+def write_hub_layout(root: Path, split: str, pairs: list[tuple[str, str]], shards: int = 2) -> None:
+    folder = root / "de-en"
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(shards):
+        part = pairs[i::shards]
+        records = [{"de": de, "en": en} for en, de in part]
+        table = pa.table(
+            {"translation": pa.array(records, type=pa.struct([("de", pa.string()), ("en", pa.string())]))}
+        )
+        pq.write_table(table, folder / f"{split}-{i:05d}-of-{shards:05d}.parquet")
+
+
+def spec(kind: str, path: Path, **kw: str) -> SourceSpec:
+    return SourceSpec(kind=kind, src_lang="en", tgt_lang="de", path=str(path), **kw)  # type: ignore[arg-type]
+
+
+def test_parquet_in_hub_layout(tmp_path: Path) -> None:
+    write_hub_layout(tmp_path, "train", PAIRS)
+    write_hub_layout(tmp_path, "test", PAIRS[:1], shards=1)
+    ds = load_split(spec("parquet", tmp_path), "train")
+    assert sorted(zip(ds["src"], ds["tgt"], strict=True)) == sorted(PAIRS)
+    assert load_split(spec("parquet", tmp_path), "test")["tgt"] == ["Hallo Welt"]
+    # reversed direction through the same files
+    rev = SourceSpec(kind="parquet", src_lang="de", tgt_lang="en", path=str(tmp_path))
+    assert sorted(load_split(rev, "train")["src"]) == sorted(de for _, de in PAIRS)
+
+
+def test_parquet_missing_split_and_language(tmp_path: Path) -> None:
+    write_hub_layout(tmp_path, "train", PAIRS)
+    with pytest.raises(CorpusError, match=r"no parquet files for split 'validation'.*splits present: train"):
+        load_split(spec("parquet", tmp_path), "validation")
+    fr = SourceSpec(kind="parquet", src_lang="en", tgt_lang="fr", path=str(tmp_path), hub_config="de-en")
+    with pytest.raises(CorpusError, match="no language fr"):
+        load_split(fr, "train")
+
+
+def test_save_to_disk_directory(tmp_path: Path) -> None:
+    dd = DatasetDict(
+        {"train": Dataset.from_dict({"translation": [{"en": en, "de": de} for en, de in PAIRS]})}
+    )
+    dd.save_to_disk(str(tmp_path / "saved"))
+    ds = load_split(spec("disk", tmp_path / "saved"), "train")
+    assert list(zip(ds["src"], ds["tgt"], strict=True)) == PAIRS
+    with pytest.raises(CorpusError, match="no split 'test'"):
+        load_split(spec("disk", tmp_path / "saved"), "test")
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_text_pairs_plain_and_gzipped(tmp_path: Path, gz: bool) -> None:
+    for lang, side in (("en", 0), ("de", 1)):
+        data = "".join(p[side] + "\n" for p in PAIRS).encode()
+        if gz:
+            (tmp_path / f"train.{lang}.gz").write_bytes(gzip.compress(data))
+        else:
+            (tmp_path / f"train.{lang}").write_bytes(data)
+    ds = load_split(spec("text", tmp_path), "train")
+    assert list(zip(ds["src"], ds["tgt"], strict=True)) == PAIRS
+
+
+def test_text_line_counts_differ(tmp_path: Path) -> None:
+    (tmp_path / "train.en").write_text("a\nb\nc\n")
+    (tmp_path / "train.de").write_text("a\nb\n")
+    with pytest.raises(CorpusError, match=r"train.en has 3 lines but .*train.de has 2"):
+        load_split(spec("text", tmp_path), "train")
+
+
+def test_text_not_utf8_names_file_and_line_or_replaces(tmp_path: Path) -> None:
+    (tmp_path / "train.en").write_bytes(b"ok\nbad \xff byte\n")
+    (tmp_path / "train.de").write_text("gut\nschlecht\n")
+    with pytest.raises(CorpusError, match=r"train.en line 2 is not UTF-8.*bad_utf8=replace"):
+        load_split(spec("text", tmp_path), "train")
+    ds = load_split(spec("text", tmp_path, bad_utf8="replace"), "train")
+    assert ds["src"][1] == "bad \ufffd byte"
+
+
+def test_text_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(CorpusError, match=r"train.en .* not found"):
+        load_split(spec("text", tmp_path), "train")
+
+
+def test_cleaning_counts_each_reason() -> None:
+    pairs = {
+        "src": ["  Hello\u00a0  world ", "", "one", "a b c d e f g h i j", "x", "same pair", "same pair"],
+        "tgt": [
+            "Hallo Welt",
+            "leer",
+            "eins",
+            "k",
+            "y y y y y y y y y y y y y y y y y y y y",
+            "gleich",
+            "gleich",
+        ],
+    }
+    ds, dropped = clean(Dataset.from_dict(pairs), CleanSpec(max_words=12, max_ratio=9.0, dedup=True))
+    assert ds["src"][0] == "Hello world"  # NFKC turns the no-break space into a space; collapsed
+    assert dropped == {"empty": 1, "too_short": 0, "too_long": 1, "ratio": 1, "duplicate": 1}
+    assert list(ds["src"]) == ["Hello world", "one", "same pair"]
+    assert format_report("train", 7, dropped) == (
+        "train: 3 of 7 pairs kept (dropped: empty 1, too_long 1, ratio 1, duplicate 1)"
+    )

@@ -1,0 +1,172 @@
+"""Corpus sources behind one interface: each split becomes a `datasets.Dataset` with ``src``/``tgt``.
+
+Sources: a Hugging Face hub id (``wmt/wmt14``, config ``de-en``), a local directory in the hub's parquet
+layout (``de-en/train-00000-of-00003.parquet``), a ``save_to_disk`` directory, plain line-aligned text
+pairs (``train.en`` / ``train.de``, optionally gzipped), and the embedded synthetic generator.
+Problems (missing files, splits or languages, misaligned or non-UTF-8 text) raise ``CorpusError``
+with a message that names the file and the fix, before any long work starts.
+"""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import datasets
+from datasets import Dataset
+
+
+class CorpusError(ValueError):
+    """Bad corpus input, with a message naming the file (or split, or language) and the fix."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceSpec:
+    """Where a corpus lives (a plain mirror of the data config, so this file needs no config)."""
+
+    kind: str  # hub | parquet | disk | text
+    src_lang: str
+    tgt_lang: str
+    path: str = ""  # parquet / disk / text directory
+    hub_id: str = "wmt/wmt14"
+    hub_config: str = ""  # default: "<sorted langs>", e.g. de-en
+    cache_dir: str = ""  # datasets cache (default: HF_DATASETS_CACHE)
+    bad_utf8: str = "error"  # text: error | replace
+
+    @property
+    def config_name(self) -> str:
+        return self.hub_config or "-".join(sorted((self.src_lang, self.tgt_lang)))
+
+
+def load_split(spec: SourceSpec, split: str) -> Dataset:
+    """One split of the corpus as a Dataset with string columns ``src`` and ``tgt``."""
+    loaders: dict[str, Callable[[SourceSpec, str], Dataset]] = {
+        "hub": _hub,
+        "parquet": _parquet,
+        "disk": _disk,
+        "text": _text,
+    }
+    if spec.kind not in loaders:
+        raise CorpusError(f"unknown corpus kind {spec.kind!r}; choose one of {', '.join(loaders)}")
+    return loaders[spec.kind](spec, split)
+
+
+def _from_translation(ds: Dataset, spec: SourceSpec, where: str) -> Dataset:
+    """Records ``{"translation": {lang: text}}`` (or ``src``/``tgt`` columns) -> src/tgt columns."""
+    if {"src", "tgt"} <= set(ds.column_names):
+        return ds.select_columns(["src", "tgt"])
+    if "translation" not in ds.column_names:
+        raise CorpusError(
+            f"{where} has columns {ds.column_names}; expected 'translation' records "
+            '({"translation": {"de": ..., "en": ...}}) or string columns src and tgt'
+        )
+    feature = ds.features["translation"]
+    langs = list(getattr(feature, "languages", None) or feature.keys())
+    missing = [lang for lang in (spec.src_lang, spec.tgt_lang) if lang not in langs]
+    if missing:
+        raise CorpusError(
+            f"{where} has no language {', '.join(missing)} (it has {', '.join(langs)}); set "
+            "data.src_lang / data.tgt_lang to languages of the corpus"
+        )
+    src, tgt = spec.src_lang, spec.tgt_lang
+
+    def split_pair(batch: dict[str, list[dict[str, str]]]) -> dict[str, list[str]]:
+        return {
+            "src": [t[src] for t in batch["translation"]],
+            "tgt": [t[tgt] for t in batch["translation"]],
+        }
+
+    return ds.map(split_pair, batched=True, remove_columns=ds.column_names)
+
+
+def _hub(spec: SourceSpec, split: str) -> Dataset:
+    """The real hub loader (honours ``cache_dir`` and ``HF_DATASETS_OFFLINE``)."""
+    try:
+        ds = datasets.load_dataset(
+            spec.hub_id, spec.config_name, split=split, cache_dir=spec.cache_dir or None
+        )
+    except ValueError as err:  # unknown split
+        raise CorpusError(f"{spec.hub_id} ({spec.config_name}) has no split {split!r}: {err}") from None
+    assert isinstance(ds, Dataset)
+    return _from_translation(ds, spec, f"{spec.hub_id} ({spec.config_name}, {split})")
+
+
+def _parquet(spec: SourceSpec, split: str) -> Dataset:
+    root = Path(spec.path)
+    folder = root / spec.config_name if (root / spec.config_name).is_dir() else root
+    files = sorted(folder.glob(f"{split}-*.parquet")) or sorted(folder.glob(f"{split}.parquet"))
+    if not files:
+        present = sorted({p.name.split("-")[0].split(".")[0] for p in folder.glob("*.parquet")})
+        raise CorpusError(
+            f"no parquet files for split {split!r} in {folder} (expected {split}-00000-of-0000N.parquet; "
+            f"splits present: {', '.join(present) or 'none'}); point data.path at the hub layout's "
+            "root or set the split names"
+        )
+    ds = datasets.load_dataset(
+        "parquet",
+        data_files={split: [str(f) for f in files]},
+        split=split,
+        cache_dir=spec.cache_dir or None,
+    )
+    assert isinstance(ds, Dataset)
+    return _from_translation(ds, spec, str(folder / f"{split}-*.parquet"))
+
+
+def _disk(spec: SourceSpec, split: str) -> Dataset:
+    path = Path(spec.path)
+    if not path.exists():
+        raise CorpusError(f"{path} does not exist; set data.path to a directory written by save_to_disk")
+    loaded = datasets.load_from_disk(str(path))
+    if isinstance(loaded, datasets.DatasetDict):
+        if split not in loaded:
+            raise CorpusError(
+                f"{path} has no split {split!r} (it has {', '.join(loaded)}); set the split names"
+            )
+        loaded = loaded[split]
+    return _from_translation(loaded, spec, f"{path} ({split})")
+
+
+def _text_file(path: Path) -> Path:
+    if path.is_file():
+        return path
+    gz = path.with_name(path.name + ".gz")
+    if gz.is_file():
+        return gz
+    raise CorpusError(f"{path} (or {gz.name}) not found; text corpora are <split>.<lang> line-aligned files")
+
+
+def _read_lines(path: Path, bad_utf8: str) -> list[str]:
+    opener: Any = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rb") as f:
+        raw = f.read()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        if bad_utf8 != "replace":
+            line = raw[: err.start].count(b"\n") + 1
+            raise CorpusError(
+                f"{path} line {line} is not UTF-8 (byte {raw[err.start]:#04x} at offset {err.start}); "
+                "convert the file to UTF-8, or set data.bad_utf8=replace to substitute U+FFFD"
+            ) from None
+        text = raw.decode("utf-8", errors="replace")
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()  # the final newline ends the last line; it does not start an empty one
+    return lines
+
+
+def _text(spec: SourceSpec, split: str) -> Dataset:
+    root = Path(spec.path)
+    src_path = _text_file(root / f"{split}.{spec.src_lang}")
+    tgt_path = _text_file(root / f"{split}.{spec.tgt_lang}")
+    src = _read_lines(src_path, spec.bad_utf8)
+    tgt = _read_lines(tgt_path, spec.bad_utf8)
+    if len(src) != len(tgt):
+        raise CorpusError(
+            f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; the files of a text "
+            "corpus must be line-aligned (one segment per line on both sides)"
+        )
+    return Dataset.from_dict({"src": src, "tgt": tgt})
