@@ -107,7 +107,8 @@ def evaluate(model: Transformer, tok: Tokenizer, splits: Splits, ecfg: EvalConfi
             entry["note"] = "longer than the encoder's position encoding can represent"
         else:
             kept = [i for i in members if all_hyp[i] is not None]
-            entry["bleu"] = bleu_score(text([all_hyp[i] for i in kept]), [all_ref[i] for i in kept])[0]
+            hyp_k, ref_k = text([all_hyp[i] for i in kept]), [all_ref[i] for i in kept]
+            entry["bleu"] = bleu_score(hyp_k, ref_k, splits.pretokenized)[0]
             if unrepresentable:
                 entry["unrepresentable"] = unrepresentable
         buckets[_bucket_name(lo, hi)] = entry
