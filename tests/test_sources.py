@@ -117,3 +117,53 @@ def test_cleaning_counts_each_reason() -> None:
     assert format_report("train", 7, dropped) == (
         "train: 3 of 7 pairs kept (dropped: empty 1, too_long 1, ratio 1, duplicate 1)"
     )
+
+
+def _write_text_corpus(root: Path, n_train: int = 300) -> None:
+    from tpe_train.data import synthetic
+
+    splits = {
+        "train": synthetic.generate(n_train, 1, 4, 12),
+        "validation": synthetic.generate(20, 2, 4, 12),
+        "test": synthetic.generate(20, 3, 4, 12),
+    }
+    root.mkdir(parents=True, exist_ok=True)
+    for split, pairs in splits.items():
+        (root / f"{split}.en").write_text("".join(s + "\n" for s, _ in pairs))
+        (root / f"{split}.de.gz").write_bytes(gzip.compress("".join(t + "\n" for _, t in pairs).encode()))
+
+
+def test_training_on_a_text_corpus_end_to_end(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    _write_text_corpus(tmp_path / "corpus")
+    out = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "tpe_train.train", "--preset", "demo", "data.corpus=text",
+        f"data.path={tmp_path / 'corpus'}", "data.vocab_size=200", "model.d_model=32", "model.ffn_dim=64",
+        "model.encoder_layers=1", "model.decoder_layers=1", "train.max_steps=3", "train.valid_every=3",
+        "train.valid_bleu_size=4", "train.progress=false", "eval.beam=1", f"train.run_dir={out}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "cleaning train: 300 of 300 pairs kept" in proc.stdout
+    figures = json.loads((out / "eval.json").read_text())
+    assert figures["test_sentences"] == 20 and figures["probe_accuracy"] is None
+
+
+def test_bad_corpus_stops_the_cli_with_one_message(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    _write_text_corpus(tmp_path / "corpus")
+    (tmp_path / "corpus" / "train.en").write_text("only one line\n")
+    cmd = [
+        sys.executable, "-m", "tpe_train.train", "data.corpus=text", f"data.path={tmp_path / 'corpus'}",
+        f"train.run_dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert "train.en has 1 lines but" in proc.stderr and "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "checkpoint").exists()

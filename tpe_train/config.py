@@ -16,6 +16,8 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from tpe_train.data.clean import CleanSpec
+from tpe_train.data.sources import SourceSpec
 from tpe_train.model.args import ModelArgs
 from tpe_train.positions import POSITIONS, PositionArgs
 
@@ -174,11 +176,48 @@ class SyntheticConfig(Section):
         return self
 
 
+class CleanConfig(Section):
+    normalize: Literal["NFC", "NFKC", "none"] = "NFKC"
+    """Unicode normalisation of both sides (whitespace is always stripped and collapsed)."""
+    min_words: int = Field(1, ge=1)
+    """Drop training pairs with fewer words than this on either side."""
+    max_words: int = Field(250, ge=1)
+    """Drop training pairs with more words than this on either side."""
+    max_ratio: float = Field(9.0, ge=0.0)
+    """Drop training pairs whose word-count ratio exceeds this (Moses clean-corpus-n; 0: off)."""
+    dedup: bool = False
+    """Drop exact duplicate training pairs (after normalisation)."""
+
+
 class DataConfig(Section):
-    corpus: Literal["synthetic"] = "synthetic"
-    """Corpus source (the embedded synthetic language pair)."""
+    corpus: Literal["synthetic", "hub", "parquet", "disk", "text"] = "synthetic"
+    """Corpus source: the embedded synthetic pair, a hub dataset, hub-layout parquet, save_to_disk, text."""
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
     """Parameters of the synthetic corpus."""
+    path: str = ""
+    """Directory of a parquet / disk / text corpus (text: <split>.<lang>[.gz] line-aligned files)."""
+    hub_id: str = "wmt/wmt14"
+    """Hub dataset id (corpus=hub)."""
+    hub_config: str = ""
+    """Hub dataset config, e.g. de-en (default: the two languages, sorted, joined by '-')."""
+    cache_dir: str = ""
+    """`datasets` cache directory (default: HF_DATASETS_CACHE); HF_DATASETS_OFFLINE=1 is honoured."""
+    src_lang: str = "en"
+    """Source language code."""
+    tgt_lang: str = "de"
+    """Target language code."""
+    train_split: str = "train"
+    """Name of the training split."""
+    valid_split: str = "validation"
+    """Name of the validation split."""
+    test_split: str = "test"
+    """Name of the test split."""
+    bad_utf8: Literal["error", "replace"] = "error"
+    """Text corpora: stop on bytes that are not UTF-8 (error) or substitute U+FFFD (replace)."""
+    clean: CleanConfig = Field(default_factory=CleanConfig)
+    """Cleaning of the training split (real corpora)."""
+    num_proc: int = Field(1, ge=1)
+    """Processes for cleaning and tokenising with datasets.map."""
     tokenizer: Literal["bpe", "unigram"] = "bpe"
     """Joint subword model trained with `tokenizers` on both sides."""
     vocab_size: int = Field(8000, ge=16)
@@ -187,6 +226,40 @@ class DataConfig(Section):
     """Batch size: maximum of padded source + target tokens per batch."""
     max_len: int = Field(256, ge=4)
     """Training pairs with more tokens than this on either side are dropped."""
+
+    @model_validator(mode="after")
+    def _source(self) -> DataConfig:
+        if self.corpus in ("parquet", "disk", "text") and not self.path:
+            raise ValueError(
+                f"data.corpus={self.corpus} reads a local directory, but data.path is empty; set "
+                "data.path=/path/to/corpus"
+            )
+        if self.src_lang == self.tgt_lang:
+            raise ValueError(f"data.src_lang and data.tgt_lang are both {self.src_lang!r}; set two languages")
+        return self
+
+    def source(self) -> SourceSpec:
+        """Where a real corpus lives, for ``tpe_train.data.sources``."""
+        return SourceSpec(
+            kind=self.corpus,
+            src_lang=self.src_lang,
+            tgt_lang=self.tgt_lang,
+            path=self.path,
+            hub_id=self.hub_id,
+            hub_config=self.hub_config,
+            cache_dir=self.cache_dir,
+            bad_utf8=self.bad_utf8,
+        )
+
+    def cleaning(self) -> CleanSpec:
+        c = self.clean
+        return CleanSpec(
+            normalize=c.normalize,
+            min_words=c.min_words,
+            max_words=c.max_words,
+            max_ratio=c.max_ratio,
+            dedup=c.dedup,
+        )
 
 
 class TrainConfig(Section):

@@ -13,7 +13,7 @@ from sacrebleu.metrics import BLEU, CHRF
 from tokenizers import Tokenizer
 
 from tpe_train.config import ConfigError, EvalConfig
-from tpe_train.data.corpus import EOS_ID, Splits, pad, synthetic_splits
+from tpe_train.data.corpus import EOS_ID, Splits, pad, test_splits
 from tpe_train.data.tokenizer import decode, encode
 from tpe_train.model.generate import beam_search, greedy
 from tpe_train.model.transformer import Transformer
@@ -83,7 +83,8 @@ def evaluate(model: Transformer, tok: Tokenizer, splits: Splits, ecfg: EvalConfi
     chrf = CHRF().corpus_score(text(test_hyp), [test_ref]).score
     exact = sum(h == r for h, r in zip(test_hyp, test_ref, strict=True)) / max(1, len(test_ref))
     correct = [h == r for h, r in zip(probe_hyp, probe_ref, strict=True)]
-    probe = sum(correct[i] and correct[i + 1] for i in range(0, len(correct), 2)) / max(1, len(correct) // 2)
+    pairs_right = sum(correct[i] and correct[i + 1] for i in range(0, len(correct), 2))
+    probe = pairs_right / (len(correct) // 2) if correct else None  # None: the corpus has no probes
 
     buckets: dict[str, Any] = {}
     edges = sorted(ecfg.length_buckets)
@@ -132,7 +133,9 @@ def format_table(metrics: dict[str, Any]) -> str:
         ("exact match (test)", f"{100 * metrics['exact_match']:.1f}%"),
         (
             "word-order probe accuracy",
-            f"{100 * metrics['probe_accuracy']:.1f}% of {metrics['probe_pairs']} pairs",
+            "n/a (no probes in this corpus)"
+            if metrics["probe_accuracy"] is None
+            else f"{100 * metrics['probe_accuracy']:.1f}% of {metrics['probe_pairs']} pairs",
         ),
     ]
     for name, entry in metrics["bleu_by_length"].items():
@@ -169,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.eval.beam = args.beam
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    metrics = evaluate(model, tok, synthetic_splits(cfg.data), cfg.eval)
+    metrics = evaluate(model, tok, test_splits(cfg.data), cfg.eval)
     print(json.dumps(metrics) if args.json else format_table(metrics))
     return 0
 

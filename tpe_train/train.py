@@ -23,7 +23,8 @@ from tqdm import tqdm
 from tpe_train.checkpoint import build_model, parameter_count, save_export
 from tpe_train.config import Config, ConfigError, load_config
 from tpe_train.data.batching import BatchIterator
-from tpe_train.data.corpus import PAD_ID, Batch, collate, length_arrays, prepare
+from tpe_train.data.corpus import PAD_ID, Batch, collate, length_arrays, pairs_of, prepare
+from tpe_train.data.sources import CorpusError
 from tpe_train.evaluate import bleu_score, evaluate, format_table, translate
 from tpe_train.model.loss import label_smoothed_loss
 from tpe_train.model.transformer import Transformer
@@ -74,7 +75,7 @@ def validate(model: Transformer, data: Any, cfg: Config) -> dict[str, float]:
     }
     n = cfg.train.valid_bleu_size
     if n:
-        pairs = data.splits.valid[:n]
+        pairs = pairs_of(data.splits.valid, n)
         hyps = translate(model, data.tokenizer, [s for s, _ in pairs], cfg.eval, beam=1)
         refs = [t for _, t in pairs]
         out["valid/bleu"] = bleu_score([h or "" for h in hyps], refs, data.splits.pretokenized)[0]
@@ -106,6 +107,8 @@ def run(cfg: Config) -> dict[str, Any]:
     src_len, tgt_len = length_arrays(data.train)
     batches = iter(BatchIterator(src_len, tgt_len, cfg.data.max_tokens, seed=cfg.train.seed))
     writer = SummaryWriter(str(run_dir / "tb"))
+    for line in data.splits.report:
+        print(f"tpe-train: cleaning {line}")
     print(
         f"tpe-train: {cfg.preset} | position {cfg.model.position.kind} | "
         f"{parameter_count(model) / 1e6:.2f}M parameters | {len(data.train)} training pairs "
@@ -150,7 +153,8 @@ def run(cfg: Config) -> dict[str, Any]:
     if cfg.eval.at_end:
         metrics.update(evaluate(model, data.tokenizer, data.splits, cfg.eval))
         for name in ("bleu", "chrf", "exact_match", "probe_accuracy"):
-            writer.add_scalar(f"test/{name}", metrics[name], cfg.train.max_steps)
+            if metrics[name] is not None:
+                writer.add_scalar(f"test/{name}", metrics[name], cfg.train.max_steps)
         (run_dir / "eval.json").write_text(json.dumps(metrics, indent=2))
         print(format_table(metrics))
     writer.close()
@@ -181,7 +185,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.print_config:
         print(cfg.to_yaml(), end="")
         return 0
-    run(cfg)
+    try:
+        run(cfg)
+    except CorpusError as err:  # bad data is reported before any training step
+        print(f"tpe-train: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

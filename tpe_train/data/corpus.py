@@ -2,36 +2,53 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import datasets
 import numpy as np
 import torch
 from datasets import Dataset
 from tokenizers import Tokenizer
 
 from tpe_train.data import synthetic
+from tpe_train.data.clean import CleanSpec, clean, format_report
+from tpe_train.data.sources import CorpusError, load_split
 from tpe_train.data.tokenizer import encode, load_tokenizer, train_tokenizer
 
 if TYPE_CHECKING:
     from tpe_train.config import DataConfig
 
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
-datasets.disable_progress_bars()  # one progress bar on the terminal: training's
 
 
 @dataclass
 class Splits:
-    """Raw text pairs of each split; ``probe`` holds minimal pairs as consecutive rows (2i, 2i+1)."""
+    """The corpus: train and valid as src/tgt Datasets; test, long and probe as text pairs.
 
-    train: list[synthetic.Pair]
-    valid: list[synthetic.Pair]
+    ``long`` holds sentences longer than any in training (length extrapolation) and ``probe`` holds
+    word-order minimal pairs as consecutive rows (2i, 2i+1); both exist for the synthetic corpus only.
+    """
+
+    train: Dataset
+    valid: Dataset
     test: list[synthetic.Pair]
-    long: list[synthetic.Pair]
-    probe: list[synthetic.Pair]
-    pretokenized: bool = True  # text is already split into words (" ." ends a sentence)
+    long: list[synthetic.Pair] = field(default_factory=list)
+    probe: list[synthetic.Pair] = field(default_factory=list)
+    pretokenized: bool = False  # text is already split into words (the synthetic corpus)
+    report: list[str] = field(default_factory=list)  # cleaning report lines
+
+
+def _pairs_dataset(pairs: list[synthetic.Pair]) -> Dataset:
+    return Dataset.from_dict({"src": [p[0] for p in pairs], "tgt": [p[1] for p in pairs]})
+
+
+def pairs_of(ds: Dataset, limit: int | None = None) -> list[synthetic.Pair]:
+    """The first ``limit`` (all) rows of a src/tgt Dataset as text pairs."""
+    if limit is not None:
+        ds = ds.select(range(min(limit, len(ds))))
+    return list(zip(ds["src"], ds["tgt"], strict=True))
 
 
 def synthetic_splits(cfg: DataConfig) -> Splits:
@@ -48,11 +65,42 @@ def synthetic_splits(cfg: DataConfig) -> Splits:
     )
     probes = synthetic.minimal_pairs(s.probe_size, s.seed + 4, s.probe_max_words, exclude=seen)
     probe = [pair for minimal in probes for pair in minimal]
-    return Splits(train, valid, test, long, probe)
+    return Splits(_pairs_dataset(train), _pairs_dataset(valid), test, long, probe, pretokenized=True)
 
 
-def get_tokenizer(cfg: DataConfig, texts: list[str], path: Path) -> Tokenizer:
-    """Reuse ``path`` when it exists (same vocabulary size), else train on ``texts`` and save."""
+def corpus_splits(cfg: DataConfig) -> Splits:
+    """The configured corpus. Real corpora: every split is loaded (so a missing one fails before
+    any long work), the training split is cleaned and its report kept; valid and test are only
+    stripped, so that scores are on the references as published."""
+    if cfg.corpus == "synthetic":
+        return synthetic_splits(cfg)
+    spec = cfg.source()
+    train = load_split(spec, cfg.train_split)
+    valid = load_split(spec, cfg.valid_split)
+    test = load_split(spec, cfg.test_split)
+    before = len(train)
+    train, dropped = clean(train, cfg.cleaning(), num_proc=cfg.num_proc)
+    report = [format_report(cfg.train_split, before, dropped)]
+    if len(train) == 0:
+        raise CorpusError(
+            f"no training pair is left after cleaning ({report[0]}); relax data.clean.* or check "
+            f"that data.src_lang / data.tgt_lang name the right sides"
+        )
+    strip = CleanSpec(normalize="none", min_words=1, max_words=10**9, max_ratio=0.0)
+    valid, _ = clean(valid, strip)
+    return Splits(train, valid, pairs_of(test), report=report)
+
+
+def test_splits(cfg: DataConfig) -> Splits:
+    """Only what evaluation reads: test (and, synthetic, long and probe) sets."""
+    if cfg.corpus == "synthetic":
+        return synthetic_splits(cfg)
+    empty = _pairs_dataset([])
+    return Splits(empty, empty, pairs_of(load_split(cfg.source(), cfg.test_split)))
+
+
+def get_tokenizer(cfg: DataConfig, train: Dataset, path: Path) -> Tokenizer:
+    """Reuse ``path`` when it exists (same vocabulary size), else train on both sides and save."""
     if path.exists():
         tok = load_tokenizer(path)
         if tok.get_vocab_size() != cfg.vocab_size:
@@ -61,7 +109,13 @@ def get_tokenizer(cfg: DataConfig, texts: list[str], path: Path) -> Tokenizer:
                 f"{cfg.vocab_size}; delete the file to retrain it or set data.vocab_size"
             )
         return tok
-    tok = train_tokenizer(texts, cfg.vocab_size, cfg.tokenizer)
+
+    def texts() -> Iterator[list[str]]:
+        for column in ("src", "tgt"):
+            for start in range(0, len(train), 10_000):
+                yield train[start : start + 10_000][column]
+
+    tok = train_tokenizer(texts(), cfg.vocab_size, cfg.tokenizer)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     tok.save(str(tmp))
@@ -69,27 +123,21 @@ def get_tokenizer(cfg: DataConfig, texts: list[str], path: Path) -> Tokenizer:
     return tok
 
 
-def to_dataset(pairs: list[synthetic.Pair], tok: Tokenizer) -> Dataset:
-    """A Dataset with id, src, tgt, src_ids (+EOS), tgt_ids (+EOS), src_len, tgt_len."""
-    ds = Dataset.from_dict(
-        {
-            "id": list(range(len(pairs))),
-            "src": [p[0] for p in pairs],
-            "tgt": [p[1] for p in pairs],
-        }
-    )
+def to_dataset(ds: Dataset, tok: Tokenizer, num_proc: int | None = None) -> Dataset:
+    """Add id, src_ids (+EOS), tgt_ids (+EOS), src_len, tgt_len to a src/tgt Dataset."""
 
-    def tokenize(batch: dict[str, list[str]]) -> dict[str, list[list[int]] | list[int]]:
+    def tokenize(batch: dict[str, list[str]], idx: list[int]) -> dict[str, list[list[int]] | list[int]]:
         src = [[*ids, EOS_ID] for ids in encode(tok, batch["src"])]
         tgt = [[*ids, EOS_ID] for ids in encode(tok, batch["tgt"])]
         return {
+            "id": idx,
             "src_ids": src,
             "tgt_ids": tgt,
             "src_len": [len(x) for x in src],
             "tgt_len": [len(x) for x in tgt],
         }
 
-    return ds.map(tokenize, batched=True, batch_size=2000)
+    return ds.map(tokenize, batched=True, batch_size=2000, with_indices=True, num_proc=num_proc)
 
 
 @dataclass
@@ -145,11 +193,11 @@ class Prepared:
 
 
 def prepare(cfg: DataConfig, tokenizer_path: Path) -> Prepared:
-    """Generate the corpus, train (or reuse) the joint tokenizer, tokenise, filter by length."""
-    splits = synthetic_splits(cfg)
-    texts = [s for s, _ in splits.train] + [t for _, t in splits.train]
-    tok = get_tokenizer(cfg, texts, tokenizer_path)
-    train = to_dataset(splits.train, tok)
+    """Load (or generate) the corpus, train or reuse the joint tokenizer, tokenise, filter by length."""
+    splits = corpus_splits(cfg)
+    tok = get_tokenizer(cfg, splits.train, tokenizer_path)
+    num_proc = cfg.num_proc if cfg.num_proc > 1 else None
+    train = to_dataset(splits.train, tok, num_proc)
     before = len(train)
     train = train.filter(
         lambda s, t: s <= cfg.max_len and t <= cfg.max_len,

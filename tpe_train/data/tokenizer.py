@@ -19,7 +19,9 @@ PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]  # ids 0, 1, 2, 3
 
 
-def train_tokenizer(texts: Iterable[str], vocab_size: int, kind: str = "bpe") -> Tokenizer:
+def train_tokenizer(
+    texts: Iterable[str] | Iterable[list[str]], vocab_size: int, kind: str = "bpe"
+) -> Tokenizer:
     """Train a joint tokenizer; Metaspace pre-tokenisation makes decode(encode(s)) == s for
     NFKC-normalised, single-spaced text."""
     if kind == "bpe":
