@@ -91,3 +91,10 @@ def test_every_key_is_documented() -> None:
     assert len(rows) > 40
     undocumented = [key for key, _, doc in rows if not doc]
     assert undocumented == []
+
+
+def test_docs_config_reference_is_up_to_date() -> None:
+    from tpe_train.config import markdown_reference
+
+    docs = Path(__file__).resolve().parent.parent / "docs" / "config.md"
+    assert docs.read_text() == markdown_reference(), "regenerate: python -m tpe_train.config > docs/config.md"
