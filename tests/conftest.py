@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 
@@ -10,6 +13,9 @@ from tpe_train.model.transformer import Transformer
 from tpe_train.positions import POSITIONS, PositionArgs
 
 KINDS = POSITIONS.names()
+
+# Token stores of every test (and of the processes tests start) go to a fresh temporary directory.
+os.environ["TPE_DATA_CACHE"] = tempfile.mkdtemp(prefix="tpe-data-")
 
 
 @pytest.fixture(autouse=True)

@@ -218,6 +218,8 @@ class DataConfig(Section):
     """Cleaning of the training split (real corpora)."""
     num_proc: int = Field(1, ge=1)
     """Processes for cleaning and tokenising with datasets.map."""
+    store_dir: str = ""
+    """Root of the binarised token stores (default: $TPE_DATA_CACHE or ~/.cache/tpe-train/data)."""
     tokenizer: Literal["bpe", "unigram"] = "bpe"
     """Joint subword model trained with `tokenizers` on both sides."""
     vocab_size: int = Field(8000, ge=16)

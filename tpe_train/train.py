@@ -92,7 +92,7 @@ def run(cfg: Config) -> dict[str, Any]:
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(cfg.to_yaml())  # resolved config, before step 1
 
-    data = prepare(cfg.data, run_dir / "tokenizer.json")
+    data = prepare(cfg.data, run_tokenizer=run_dir / "tokenizer.json")
     model = build_model(cfg, data.tokenizer)
     model.train()
     optimizer = torch.optim.AdamW(
@@ -113,7 +113,8 @@ def run(cfg: Config) -> dict[str, Any]:
         f"tpe-train: {cfg.preset} | position {cfg.model.position.kind} | "
         f"{parameter_count(model) / 1e6:.2f}M parameters | {len(data.train)} training pairs "
         f"({data.dropped_too_long} longer than data.max_len dropped) | vocab "
-        f"{data.tokenizer.get_vocab_size()} | run dir {run_dir}"
+        f"{data.tokenizer.get_vocab_size()} | token store {data.store} "
+        f"({'built' if data.built else 'reused'}) | run dir {run_dir}"
     )
 
     bar = tqdm(total=cfg.train.max_steps, disable=not cfg.train.progress, dynamic_ncols=True)

@@ -15,7 +15,8 @@ from tokenizers import Tokenizer
 from tpe_train.data import synthetic
 from tpe_train.data.clean import CleanSpec, clean, format_report
 from tpe_train.data.sources import CorpusError, load_split
-from tpe_train.data.tokenizer import encode, load_tokenizer, train_tokenizer
+from tpe_train.data.store import load_store, store_path, write_store
+from tpe_train.data.tokenizer import encode, load_tokenizer, train_tokenizer, vocab_hash
 
 if TYPE_CHECKING:
     from tpe_train.config import DataConfig
@@ -99,30 +100,6 @@ def test_splits(cfg: DataConfig) -> Splits:
     return Splits(empty, empty, pairs_of(load_split(cfg.source(), cfg.test_split)))
 
 
-def get_tokenizer(cfg: DataConfig, train: Dataset, path: Path) -> Tokenizer:
-    """Reuse ``path`` when it exists (same vocabulary size), else train on both sides and save."""
-    if path.exists():
-        tok = load_tokenizer(path)
-        if tok.get_vocab_size() != cfg.vocab_size:
-            raise ValueError(
-                f"{path} has a vocabulary of {tok.get_vocab_size()} but data.vocab_size is "
-                f"{cfg.vocab_size}; delete the file to retrain it or set data.vocab_size"
-            )
-        return tok
-
-    def texts() -> Iterator[list[str]]:
-        for column in ("src", "tgt"):
-            for start in range(0, len(train), 10_000):
-                yield train[start : start + 10_000][column]
-
-    tok = train_tokenizer(texts(), cfg.vocab_size, cfg.tokenizer)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tok.save(str(tmp))
-    tmp.replace(path)
-    return tok
-
-
 def to_dataset(ds: Dataset, tok: Tokenizer, num_proc: int | None = None) -> Dataset:
     """Add id, src_ids (+EOS), tgt_ids (+EOS), src_len, tgt_len to a src/tgt Dataset."""
 
@@ -183,19 +160,40 @@ def length_arrays(ds: Dataset) -> tuple[np.ndarray, np.ndarray]:
 
 @dataclass
 class Prepared:
-    """What training needs: raw splits, the tokenizer, tokenised train and valid sets."""
+    """What training needs: the splits, the tokenizer, tokenised train and valid sets."""
 
     splits: Splits
     tokenizer: Tokenizer
     train: Dataset
     valid: Dataset
     dropped_too_long: int
+    store: Path
+    built: bool  # False: an existing store was reused
 
 
-def prepare(cfg: DataConfig, tokenizer_path: Path) -> Prepared:
-    """Load (or generate) the corpus, train or reuse the joint tokenizer, tokenise, filter by length."""
+def prepare(cfg: DataConfig, run_tokenizer: Path | None = None) -> Prepared:
+    """The token store of this data config: reused when its fingerprint matches, else built
+    (load or generate, clean, train the joint tokenizer, tokenise, filter by length) and saved.
+    With ``run_tokenizer``, the store's tokenizer is copied there, or checked against the one a
+    run directory already holds (a resumed run must keep its vocabulary)."""
+    path = store_path(cfg)
+    stored = load_store(path)
+    if stored is not None:
+        tok, train, valid, meta = stored
+        splits = synthetic_splits(cfg) if cfg.corpus == "synthetic" else test_splits(cfg)
+        splits.valid = valid
+        splits.report = meta.get("report", [])
+        prepared = Prepared(splits, tok, train, valid, meta["dropped_too_long"], path, built=False)
+    else:
+        prepared = _build(cfg, path)
+    if run_tokenizer is not None:
+        _check_or_copy_tokenizer(prepared.tokenizer, run_tokenizer)
+    return prepared
+
+
+def _build(cfg: DataConfig, path: Path) -> Prepared:
     splits = corpus_splits(cfg)
-    tok = get_tokenizer(cfg, splits.train, tokenizer_path)
+    tok = train_tokenizer(_texts(splits.train), cfg.vocab_size, cfg.tokenizer)
     num_proc = cfg.num_proc if cfg.num_proc > 1 else None
     train = to_dataset(splits.train, tok, num_proc)
     before = len(train)
@@ -204,7 +202,35 @@ def prepare(cfg: DataConfig, tokenizer_path: Path) -> Prepared:
         input_columns=["src_len", "tgt_len"],
     )
     if len(train) == 0:
-        raise ValueError(
+        raise CorpusError(
             f"no training pair is shorter than data.max_len={cfg.max_len} tokens; raise data.max_len"
         )
-    return Prepared(splits, tok, train, to_dataset(splits.valid, tok), before - len(train))
+    valid = to_dataset(splits.valid, tok)
+    dropped = before - len(train)
+    write_store(path, tok, train, valid, {"dropped_too_long": dropped, "report": splits.report})
+    stored = load_store(path)  # read back memory-mapped, as every later run will
+    assert stored is not None
+    _, train, valid, _ = stored
+    splits.valid = valid
+    return Prepared(splits, tok, train, valid, dropped, path, built=True)
+
+
+def _texts(train: Dataset) -> Iterator[list[str]]:
+    for column in ("src", "tgt"):
+        for start in range(0, len(train), 10_000):
+            yield train[start : start + 10_000][column]
+
+
+def _check_or_copy_tokenizer(tok: Tokenizer, path: Path) -> None:
+    if path.exists():
+        if vocab_hash(load_tokenizer(path)) != vocab_hash(tok):
+            raise CorpusError(
+                f"{path} differs from the tokenizer of the prepared data (another vocabulary); a run "
+                "directory keeps one vocabulary: use a new train.run_dir, or restore the data settings "
+                "the run was started with"
+            )
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tok.save(str(tmp))
+    tmp.replace(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -56,7 +57,9 @@ def load_tokenizer(path: str | Path) -> Tokenizer:
 
 def vocab_hash(tok: Tokenizer) -> str:
     """A short fingerprint of the vocabulary (checked when a run reuses a tokenizer)."""
-    return hashlib.sha256(tok.to_str().encode()).hexdigest()[:16]
+    # token -> id, not the serialised model: unigram scores do not survive a save/load byte-exact
+    vocab = sorted(tok.get_vocab(with_added_tokens=True).items(), key=lambda item: item[1])
+    return hashlib.sha256(json.dumps(vocab).encode()).hexdigest()[:16]
 
 
 def encode(tok: Tokenizer, texts: list[str]) -> list[list[int]]:

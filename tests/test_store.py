@@ -1,0 +1,63 @@
+"""The token store: built once, reused by fingerprint, rebuilt when tokenizer or cleaning changes."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tpe_train.config import load_config
+from tpe_train.data.corpus import prepare
+from tpe_train.data.sources import CorpusError
+
+SMALL = [
+    "data.synthetic.train_size=300",
+    "data.synthetic.valid_size=10",
+    "data.synthetic.test_size=10",
+    "data.synthetic.long_size=0",
+    "data.synthetic.probe_size=5",
+    "data.vocab_size=150",
+]
+
+
+def cfg(tmp_path: Path, *extra: str):  # type: ignore[no-untyped-def]
+    return load_config("demo", [*SMALL, f"data.store_dir={tmp_path}", *extra]).data
+
+
+def test_store_is_built_then_reused(tmp_path: Path) -> None:
+    first = prepare(cfg(tmp_path))
+    assert first.built and (first.store / "meta.json").is_file()
+    again = prepare(cfg(tmp_path))
+    assert not again.built and again.store == first.store
+    assert again.train["src_ids"] == first.train["src_ids"]
+    assert again.tokenizer.to_str() == first.tokenizer.to_str()
+    # batch size and processes do not change the tokens: same store
+    assert prepare(cfg(tmp_path, "data.max_tokens=999")).store == first.store
+
+
+@pytest.mark.parametrize(
+    "change", ["data.vocab_size=120", "data.tokenizer=unigram", "data.clean.max_ratio=3", "data.max_len=20"]
+)
+def test_store_is_rebuilt_when_tokens_would_differ(tmp_path: Path, change: str) -> None:
+    base = prepare(cfg(tmp_path))
+    other = prepare(cfg(tmp_path, change))
+    assert other.built and other.store != base.store
+
+
+def test_run_directory_keeps_its_vocabulary(tmp_path: Path) -> None:
+    run_tok = tmp_path / "run" / "tokenizer.json"
+    prepare(cfg(tmp_path), run_tokenizer=run_tok)
+    assert run_tok.is_file()
+    with pytest.raises(CorpusError, match="differs from the tokenizer of the prepared data"):
+        prepare(cfg(tmp_path, "data.vocab_size=120"), run_tokenizer=run_tok)
+
+
+def test_tpe_data_prepare_cli(tmp_path: Path) -> None:
+    cmd = [sys.executable, "-m", "tpe_train.data.cli", "prepare", *SMALL, f"data.store_dir={tmp_path}"]
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith("built ") and "300 training pairs" in first.stdout
+    second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert second.stdout.startswith("reused ")

@@ -1,0 +1,74 @@
+"""The binarised token store: tokenised train/valid sets and the tokenizer, memory-mapped Arrow on
+disk, keyed by a fingerprint of everything that shapes them (corpus, cleaning, tokenizer settings,
+length limit). ``tpe-data prepare`` builds it ahead of training so that the ranks of a multi-node job
+only read it; a run whose fingerprint matches reuses it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from datasets import Dataset, load_from_disk
+from tokenizers import Tokenizer
+
+from tpe_train.data.tokenizer import load_tokenizer, vocab_hash
+
+if TYPE_CHECKING:
+    from tpe_train.config import DataConfig
+
+STORE_VERSION = 1  # bump when the stored columns change
+DEFAULT_ROOT = "~/.cache/tpe-train/data"
+
+
+def fingerprint(cfg: DataConfig) -> str:
+    """A short hash of every data setting that changes the stored tokens."""
+    fields = cfg.model_dump(mode="json", exclude={"max_tokens", "num_proc", "store_dir"})
+    if cfg.corpus != "synthetic":
+        fields.pop("synthetic")
+    fields["version"] = STORE_VERSION
+    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def store_path(cfg: DataConfig) -> Path:
+    """``<data.store_dir or $TPE_DATA_CACHE or ~/.cache/tpe-train/data>/<corpus>-<fingerprint>``."""
+    root = cfg.store_dir or os.environ.get("TPE_DATA_CACHE", DEFAULT_ROOT)
+    return Path(root).expanduser() / f"{cfg.corpus}-{fingerprint(cfg)}"
+
+
+def load_store(path: Path) -> tuple[Tokenizer, Dataset, Dataset, dict[str, Any]] | None:
+    """(tokenizer, train, valid, metadata) of a complete store, or None when there is none."""
+    meta_path = path / "meta.json"
+    if not meta_path.is_file():  # written last: its presence marks a complete store
+        return None
+    meta = json.loads(meta_path.read_text())
+    tok = load_tokenizer(path / "tokenizer.json")
+    if meta.get("vocab_hash") != vocab_hash(tok):
+        raise ValueError(
+            f"the token store {path} is inconsistent (its tokenizer.json does not match meta.json); "
+            "delete the directory and prepare it again"
+        )
+    train, valid = load_from_disk(str(path / "train")), load_from_disk(str(path / "valid"))
+    assert isinstance(train, Dataset) and isinstance(valid, Dataset)
+    return tok, train, valid, meta
+
+
+def write_store(path: Path, tok: Tokenizer, train: Dataset, valid: Dataset, meta: dict[str, Any]) -> None:
+    """Write under a temporary name, then rename: a crash never leaves a half store at ``path``."""
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tok.save(str(tmp / "tokenizer.json"))
+    train.save_to_disk(str(tmp / "train"))
+    valid.save_to_disk(str(tmp / "valid"))
+    (tmp / "meta.json").write_text(json.dumps({**meta, "vocab_hash": vocab_hash(tok)}, indent=2))
+    try:
+        tmp.rename(path)
+    except OSError:  # another process finished the same store first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (path / "meta.json").is_file():
+            raise
