@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 
 import numpy as np
+import pytest
 
 from tpe_train.data.batching import BatchIterator, BatchState, token_batches
 
@@ -45,13 +46,27 @@ def test_restored_state_gives_exactly_the_remaining_batches() -> None:
     assert head + tail == reference
 
 
-def test_data_parallel_ranks_split_each_epoch_without_overlap() -> None:
+@pytest.mark.parametrize("dp_size", [2, 3, 4])
+def test_data_parallel_ranks_see_every_pair_exactly_once_per_epoch(dp_size: int) -> None:
     src, tgt = lengths()
-    ranks = [BatchIterator(src, tgt, 600, seed=5, dp_rank=r, dp_size=2) for r in range(2)]
+    ranks = [BatchIterator(src, tgt, 600, seed=5, dp_rank=r, dp_size=dp_size) for r in range(dp_size)]
     steps = ranks[0].steps_per_epoch
-    assert steps == ranks[1].steps_per_epoch
-    per_rank = [np.concatenate(list(itertools.islice(iter(it), steps))) for it in ranks]
-    assert not set(per_rank[0].tolist()) & set(per_rank[1].tolist())
-    total = len(per_rank[0]) + len(per_rank[1])
-    dropped = len(token_batches(src, tgt, 600, seed=5)) % 2
-    assert total <= len(src) and (dropped or total == len(src))
+    assert all(it.steps_per_epoch == steps for it in ranks)  # nobody waits on a short last batch
+    seen = np.concatenate([np.concatenate(list(itertools.islice(iter(it), steps))) for it in ranks])
+    assert sorted(seen.tolist()) == list(range(len(src)))
+    for it in ranks:
+        assert it.state == BatchState(0, steps)
+        for b in it.batches:
+            assert (src[b].max() + tgt[b].max()) * len(b) <= 600
+
+
+def test_tensor_parallel_peers_get_identical_batches() -> None:
+    src, tgt = lengths()
+    peers = [BatchIterator(src, tgt, 600, seed=5, dp_rank=1, dp_size=2) for _ in range(2)]
+    a, b = (list(itertools.islice(iter(it), 30)) for it in peers)
+    assert all(np.array_equal(x, y) for x, y in zip(a, b, strict=True))
+
+
+def test_too_few_pairs_for_the_ranks_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="fewer than the 4 data-parallel ranks"):
+        BatchIterator(np.array([3, 4]), np.array([3, 4]), 600, seed=0, dp_size=4)

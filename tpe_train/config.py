@@ -271,6 +271,8 @@ class TrainConfig(Section):
     """Seed of parameter initialisation, dropout and batch order."""
     max_steps: int = Field(1000, ge=1)
     """Optimizer steps to train."""
+    accumulate: int = Field(1, ge=1)
+    """Batches per optimizer step (gradient accumulation)."""
     lr: float = Field(7e-4, gt=0.0)
     """Peak learning rate, reached at the end of warmup."""
     warmup_steps: int = Field(4000, ge=0)

@@ -60,6 +60,19 @@ def batch_loss(model: Transformer, batch: Batch, cfg: Config) -> tuple[torch.Ten
     return loss, nll, int(ntok)
 
 
+def accumulate_gradients(model: Transformer, micro: list[Batch], cfg: Config) -> tuple[float, float, int]:
+    """Backward over ``train.accumulate`` batches, normalised by all their target tokens, so that
+    accumulating k batches gives the gradient of one k-times larger batch. Returns the summed
+    loss, summed nll and token count."""
+    ntok = sum(b.target_tokens for b in micro)
+    loss_sum, nll_sum = 0.0, 0.0
+    for batch in micro:
+        loss, nll, _ = batch_loss(model, batch, cfg)
+        (loss / ntok).backward()
+        loss_sum, nll_sum = loss_sum + float(loss.detach()), nll_sum + float(nll)
+    return loss_sum, nll_sum, ntok
+
+
 @torch.no_grad()
 def validate(model: Transformer, data: Any, cfg: Config) -> dict[str, float]:
     """Validation loss (nll per token) and greedy BLEU on the first ``valid_bleu_size`` pairs."""
@@ -120,10 +133,9 @@ def run(cfg: Config) -> dict[str, Any]:
     bar = tqdm(total=cfg.train.max_steps, disable=not cfg.train.progress, dynamic_ncols=True)
     window_tokens, window_start = 0, time.perf_counter()
     for step in range(1, cfg.train.max_steps + 1):
-        batch = collate(data.train, next(batches))
-        loss, nll, ntok = batch_loss(model, batch, cfg)
+        micro = [collate(data.train, next(batches)) for _ in range(cfg.train.accumulate)]
         optimizer.zero_grad(set_to_none=True)
-        (loss / ntok).backward()
+        loss_sum, nll_sum, ntok = accumulate_gradients(model, micro, cfg)
         max_norm = cfg.train.clip_norm or float("inf")
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
         optimizer.step()
@@ -133,8 +145,8 @@ def run(cfg: Config) -> dict[str, Any]:
         if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
             elapsed = time.perf_counter() - window_start
             scalars = {
-                "train/loss": float(loss.detach()) / ntok,
-                "train/nll": float(nll) / ntok,
+                "train/loss": loss_sum / ntok,
+                "train/nll": nll_sum / ntok,
                 "train/lr": scheduler.get_last_lr()[0],
                 "train/grad_norm": grad_norm,
                 "train/tokens_per_s": window_tokens / max(elapsed, 1e-9),

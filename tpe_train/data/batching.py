@@ -35,6 +35,22 @@ def token_batches(src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int, see
     return batches
 
 
+def _divisible(batches: list[np.ndarray], parts: int) -> list[np.ndarray]:
+    """Split the largest batches in two until their number is a multiple of ``parts``."""
+    batches = list(batches)
+    while len(batches) % parts:
+        largest = max(range(len(batches)), key=lambda i: len(batches[i]))
+        if len(batches[largest]) < 2:
+            raise ValueError(
+                f"the corpus has only {sum(len(b) for b in batches)} pairs, fewer than the {parts} "
+                "data-parallel ranks need; use fewer ranks or a larger corpus"
+            )
+        half = len(batches[largest]) // 2
+        big = batches.pop(largest)
+        batches[largest:largest] = [big[:half], big[half:]]
+    return batches
+
+
 @dataclass
 class BatchState:
     """Where an iterator stands: the epoch and the number of global steps taken in it."""
@@ -46,9 +62,11 @@ class BatchState:
 class BatchIterator:
     """Endless epochs of token batches for one data-parallel rank.
 
-    Every epoch cuts the same batches and shuffles them with ``seed + epoch``; global step ``s``
-    hands rank ``r`` batch ``s * dp_size + r``, and an epoch ends when fewer than ``dp_size`` batches
-    remain (those are dropped, so every rank takes the same number of steps).
+    Every epoch cuts the same batches and shuffles them with ``(seed, epoch)``; global step ``s``
+    hands rank ``r`` batch ``s * dp_size + r``. The batch count is made a multiple of ``dp_size``
+    (by halving the largest batches), so every pair is seen exactly once per epoch and every rank
+    takes the same number of steps. Ranks of one tensor-parallel group pass the same ``dp_rank``
+    and so receive identical batches.
     """
 
     def __init__(
@@ -61,12 +79,7 @@ class BatchIterator:
         dp_size: int = 1,
         state: BatchState | None = None,
     ) -> None:
-        self.batches = token_batches(src_len, tgt_len, max_tokens, seed)
-        if len(self.batches) < dp_size:
-            raise ValueError(
-                f"the corpus makes only {len(self.batches)} batches, fewer than the {dp_size} "
-                "data-parallel ranks; lower data.max_tokens or use fewer ranks"
-            )
+        self.batches = _divisible(token_batches(src_len, tgt_len, max_tokens, seed), dp_size)
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
         self.state = state or BatchState()
 
