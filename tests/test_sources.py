@@ -167,3 +167,24 @@ def test_bad_corpus_stops_the_cli_with_one_message(tmp_path: Path) -> None:
     assert proc.returncode == 2
     assert "train.en has 1 lines but" in proc.stderr and "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "checkpoint").exists()
+
+
+def test_corpus_empty_after_cleaning_is_refused_before_training(tmp_path: Path) -> None:
+    from tpe_train.config import load_config
+    from tpe_train.data.corpus import corpus_splits
+
+    _write_text_corpus(tmp_path / "corpus", n_train=20)
+    cfg = load_config(
+        "demo", ["data.corpus=text", f"data.path={tmp_path / 'corpus'}", "data.clean.max_words=2"]
+    )
+    with pytest.raises(
+        CorpusError, match=r"no training pair is left after cleaning \(train: 0 of 20 pairs kept"
+    ):
+        corpus_splits(cfg.data)
+
+
+def test_data_path_is_required_for_local_corpora() -> None:
+    from tpe_train.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"data.corpus=text reads a local directory, but data.path"):
+        load_config("demo", ["data.corpus=text"])
