@@ -30,9 +30,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tpe_train.data.batching import BatchIterator  # noqa: E402
+from tpe_train.data.batching import (  # noqa: E402
+    BatchIterator,
+    collate,
+    length_arrays,
+)
 from tpe_train.data.clean import CleanSpec, clean  # noqa: E402
-from tpe_train.data.corpus import collate, length_arrays, to_dataset  # noqa: E402
+from tpe_train.data.corpus import to_dataset  # noqa: E402
 from tpe_train.data.sources import SourceSpec, load_split  # noqa: E402
 from tpe_train.data.tokenizer import train_tokenizer  # noqa: E402
 from tpe_train.model.args import ModelArgs  # noqa: E402

@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_model
 
 from tpe_train.config import load_config
-from tpe_train.data.corpus import BOS_ID, EOS_ID, Batch, pad
+from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
 from tpe_train.train import accumulate_gradients, inverse_sqrt
 
 

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
 from tpe_train.config import Config, ConfigError, validate
-from tpe_train.data.corpus import BOS_ID, EOS_ID, PAD_ID
+from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.data.tokenizer import load_tokenizer, vocab_hash
 from tpe_train.model.transformer import Transformer
 

@@ -13,7 +13,8 @@ from sacrebleu.metrics import BLEU, CHRF
 from tokenizers import Tokenizer
 
 from tpe_train.config import ConfigError, EvalConfig
-from tpe_train.data.corpus import EOS_ID, Splits, pad, test_splits
+from tpe_train.data.batching import EOS_ID, pad
+from tpe_train.data.corpus import Splits, test_splits
 from tpe_train.data.tokenizer import decode, encode
 from tpe_train.model.generate import beam_search, greedy
 from tpe_train.model.transformer import Transformer

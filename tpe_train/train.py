@@ -22,8 +22,8 @@ from tqdm import tqdm
 
 from tpe_train.checkpoint import build_model, parameter_count, save_export
 from tpe_train.config import Config, ConfigError, load_config
-from tpe_train.data.batching import BatchIterator
-from tpe_train.data.corpus import PAD_ID, Batch, collate, length_arrays, pairs_of, prepare
+from tpe_train.data.batching import PAD_ID, Batch, BatchIterator, collate, length_arrays
+from tpe_train.data.corpus import pairs_of, prepare
 from tpe_train.data.sources import CorpusError
 from tpe_train.evaluate import bleu_score, evaluate, format_table, translate
 from tpe_train.model.loss import label_smoothed_loss

@@ -11,6 +11,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import numpy as np
+import torch
+from datasets import Dataset
+
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # the tokenizer's special tokens (tpe_train.data.tokenizer)
 
 
 def token_batches(src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int, seed: int) -> list[np.ndarray]:
@@ -98,3 +102,44 @@ class BatchIterator:
                 self.state.step_in_epoch += 1
                 yield self.batches[order[k]]
             self.state = BatchState(self.state.epoch + 1, 0)
+
+
+@dataclass
+class Batch:
+    """Padded tensors of one batch: src (B, Ls), tgt_in = BOS + target, tgt_out = target + EOS."""
+
+    ids: torch.Tensor
+    src: torch.Tensor
+    tgt_in: torch.Tensor
+    tgt_out: torch.Tensor
+
+    @property
+    def target_tokens(self) -> int:
+        return int((self.tgt_out != PAD_ID).sum())
+
+
+def pad(seqs: list[list[int]], prefix: int | None = None) -> torch.Tensor:
+    """Right-pad id lists into a (B, L) long tensor, optionally prefixing a token."""
+    extra = 1 if prefix is not None else 0
+    out = torch.full((len(seqs), max(len(s) for s in seqs) + extra), PAD_ID, dtype=torch.long)
+    for i, s in enumerate(seqs):
+        if prefix is not None:
+            out[i, 0] = prefix
+        out[i, extra : extra + len(s)] = torch.tensor(s, dtype=torch.long)
+    return out
+
+
+def collate(ds: Dataset, indices: np.ndarray) -> Batch:
+    rows = ds[indices.tolist()]
+    tgt = rows["tgt_ids"]
+    tgt_in = pad([t[:-1] for t in tgt], prefix=BOS_ID)
+    return Batch(
+        ids=torch.tensor(rows["id"]),
+        src=pad(rows["src_ids"]),
+        tgt_in=tgt_in,
+        tgt_out=pad(tgt),
+    )
+
+
+def length_arrays(ds: Dataset) -> tuple[np.ndarray, np.ndarray]:
+    return np.asarray(ds["src_len"]), np.asarray(ds["tgt_len"])

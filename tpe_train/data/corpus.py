@@ -7,12 +7,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
 from datasets import Dataset
 from tokenizers import Tokenizer
 
 from tpe_train.data import synthetic
+from tpe_train.data.batching import EOS_ID
 from tpe_train.data.clean import CleanSpec, clean, format_report
 from tpe_train.data.sources import CorpusError, load_split
 from tpe_train.data.store import load_store, store_path, write_store
@@ -20,8 +19,6 @@ from tpe_train.data.tokenizer import encode, load_tokenizer, train_tokenizer, vo
 
 if TYPE_CHECKING:
     from tpe_train.config import DataConfig
-
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2
 
 
 @dataclass
@@ -115,47 +112,6 @@ def to_dataset(ds: Dataset, tok: Tokenizer, num_proc: int | None = None) -> Data
         }
 
     return ds.map(tokenize, batched=True, batch_size=2000, with_indices=True, num_proc=num_proc)
-
-
-@dataclass
-class Batch:
-    """Padded tensors of one batch: src (B, Ls), tgt_in = BOS + target, tgt_out = target + EOS."""
-
-    ids: torch.Tensor
-    src: torch.Tensor
-    tgt_in: torch.Tensor
-    tgt_out: torch.Tensor
-
-    @property
-    def target_tokens(self) -> int:
-        return int((self.tgt_out != PAD_ID).sum())
-
-
-def pad(seqs: list[list[int]], prefix: int | None = None) -> torch.Tensor:
-    """Right-pad id lists into a (B, L) long tensor, optionally prefixing a token."""
-    extra = 1 if prefix is not None else 0
-    out = torch.full((len(seqs), max(len(s) for s in seqs) + extra), PAD_ID, dtype=torch.long)
-    for i, s in enumerate(seqs):
-        if prefix is not None:
-            out[i, 0] = prefix
-        out[i, extra : extra + len(s)] = torch.tensor(s, dtype=torch.long)
-    return out
-
-
-def collate(ds: Dataset, indices: np.ndarray) -> Batch:
-    rows = ds[indices.tolist()]
-    tgt = rows["tgt_ids"]
-    tgt_in = pad([t[:-1] for t in tgt], prefix=BOS_ID)
-    return Batch(
-        ids=torch.tensor(rows["id"]),
-        src=pad(rows["src_ids"]),
-        tgt_in=tgt_in,
-        tgt_out=pad(tgt),
-    )
-
-
-def length_arrays(ds: Dataset) -> tuple[np.ndarray, np.ndarray]:
-    return np.asarray(ds["src_len"]), np.asarray(ds["tgt_len"])
 
 
 @dataclass

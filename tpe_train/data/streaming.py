@@ -21,7 +21,7 @@ from datasets import IterableDataset
 from datasets.distributed import split_dataset_by_node
 from tokenizers import Tokenizer
 
-from tpe_train.data.corpus import BOS_ID, EOS_ID, Batch, pad
+from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
 from tpe_train.data.tokenizer import encode
 
 
