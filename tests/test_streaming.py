@@ -57,3 +57,47 @@ def test_restored_state_continues_exactly() -> None:
     resumed.load_state_dict(state)
     tail = ids_of(list(itertools.islice(iter(resumed), 27)))
     assert head + tail == reference
+
+
+def test_text_corpus_streams_lazily_and_reports_misalignment(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import gzip
+
+    import pytest
+
+    from tpe_train.data.sources import CorpusError, SourceSpec, stream_split
+
+    (tmp_path / "train.en").write_text("a b\nc d\ne f\n")
+    (tmp_path / "train.de.gz").write_bytes(gzip.compress(b"A B\nC D\nE F\n"))
+    spec = SourceSpec(kind="text", src_lang="en", tgt_lang="de", path=str(tmp_path))
+    assert [(r["src"], r["tgt"]) for r in stream_split(spec, "train")] == [
+        ("a b", "A B"),
+        ("c d", "C D"),
+        ("e f", "E F"),
+    ]
+    (tmp_path / "train.en").write_text("a b\nc d\n")
+    with pytest.raises(CorpusError, match="ends at line 2 but the other side goes on"):
+        list(stream_split(spec, "train"))
+
+
+def test_training_streams_a_text_corpus_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    import subprocess
+    import sys
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for split, seed in (("train", 1), ("validation", 2), ("test", 3)):
+        pairs = synthetic.generate(200 if split == "train" else 10, seed, 4, 12)
+        (corpus / f"{split}.en").write_text("".join(s + "\n" for s, _ in pairs))
+        (corpus / f"{split}.de").write_text("".join(t + "\n" for _, t in pairs))
+    cmd = [
+        sys.executable, "-m", "tpe_train.train", "data.corpus=text", f"data.path={corpus}",
+        "data.streaming=true",
+        "data.shuffle_buffer=50", "data.vocab_size=150", "data.max_tokens=600", "model.d_model=32",
+        "model.ffn_dim=64", "model.encoder_layers=1", "model.decoder_layers=1", "train.max_steps=4",
+        "train.valid_every=4", "train.valid_bleu_size=2", "train.progress=false", "eval.beam=1",
+        f"train.run_dir={tmp_path / 'run'}",
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "streamed training pairs" in proc.stdout
+    assert (tmp_path / "run" / "checkpoint" / "model.safetensors").is_file()

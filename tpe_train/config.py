@@ -218,6 +218,12 @@ class DataConfig(Section):
     """Cleaning of the training split (real corpora)."""
     num_proc: int = Field(1, ge=1)
     """Processes for cleaning and tokenising with datasets.map."""
+    streaming: bool = False
+    """Read the training split as a stream (no token store): for corpora too large to prepare."""
+    shuffle_buffer: int = Field(10000, ge=1)
+    """Streaming: pairs in the shuffle buffer."""
+    tokenizer_sample: int = Field(1_000_000, ge=1)
+    """Streaming: the tokenizer is trained on the first this many training pairs."""
     store_dir: str = ""
     """Root of the binarised token stores (default: $TPE_DATA_CACHE or ~/.cache/tpe-train/data)."""
     tokenizer: Literal["bpe", "unigram"] = "bpe"
@@ -235,6 +241,11 @@ class DataConfig(Section):
             raise ValueError(
                 f"data.corpus={self.corpus} reads a local directory, but data.path is empty; set "
                 "data.path=/path/to/corpus"
+            )
+        if self.streaming and self.clean.dedup:
+            raise ValueError(
+                "data.clean.dedup needs the whole corpus and cannot stream; set data.clean.dedup=false "
+                "or data.streaming=false"
             )
         if self.src_lang == self.tgt_lang:
             raise ValueError(f"data.src_lang and data.tgt_lang are both {self.src_lang!r}; set two languages")

@@ -23,7 +23,7 @@ from tqdm import tqdm
 from tpe_train.checkpoint import build_model, parameter_count, save_export
 from tpe_train.config import Config, ConfigError, load_config
 from tpe_train.data.batching import PAD_ID, Batch, BatchIterator, collate, length_arrays
-from tpe_train.data.corpus import pairs_of, prepare
+from tpe_train.data.corpus import batch_stream, pairs_of, prepare
 from tpe_train.data.sources import CorpusError
 from tpe_train.evaluate import bleu_score, evaluate, format_table, translate
 from tpe_train.model.loss import label_smoothed_loss
@@ -117,14 +117,14 @@ def run(cfg: Config) -> dict[str, Any]:
         fused=True,  # one kernel over all parameters instead of a dozen ops per tensor
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(cfg.train.warmup_steps))
-    src_len, tgt_len = length_arrays(data.train)
-    batches = iter(BatchIterator(src_len, tgt_len, cfg.data.max_tokens, seed=cfg.train.seed))
+    batches = batch_stream(data, cfg.data, cfg.train.seed)
     writer = SummaryWriter(str(run_dir / "tb"))
     for line in data.splits.report:
         print(f"tpe-train: cleaning {line}")
     print(
         f"tpe-train: {cfg.preset} | position {cfg.model.position.kind} | "
-        f"{parameter_count(model) / 1e6:.2f}M parameters | {len(data.train)} training pairs "
+        f"{parameter_count(model) / 1e6:.2f}M parameters | "
+        f"{'streamed' if cfg.data.streaming else len(data.train)} training pairs "
         f"({data.dropped_too_long} longer than data.max_len dropped) | vocab "
         f"{data.tokenizer.get_vocab_size()} | token store {data.store} "
         f"({'built' if data.built else 'reused'}) | run dir {run_dir}"
@@ -133,7 +133,7 @@ def run(cfg: Config) -> dict[str, Any]:
     bar = tqdm(total=cfg.train.max_steps, disable=not cfg.train.progress, dynamic_ncols=True)
     window_tokens, window_start = 0, time.perf_counter()
     for step in range(1, cfg.train.max_steps + 1):
-        micro = [collate(data.train, next(batches)) for _ in range(cfg.train.accumulate)]
+        micro = [next(batches) for _ in range(cfg.train.accumulate)]
         optimizer.zero_grad(set_to_none=True)
         loss_sum, nll_sum, ntok = accumulate_gradients(model, micro, cfg)
         max_norm = cfg.train.clip_norm or float("inf")

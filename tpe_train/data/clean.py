@@ -12,7 +12,7 @@ import unicodedata
 from collections import Counter
 from dataclasses import dataclass
 
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 
 REASONS = ("empty", "too_short", "too_long", "ratio", "duplicate")
 
@@ -78,3 +78,17 @@ def format_report(split: str, before: int, dropped: dict[str, int]) -> str:
     kept = before - sum(dropped.values())
     parts = ", ".join(f"{reason} {n}" for reason, n in dropped.items() if n)
     return f"{split}: {kept} of {before} pairs kept" + (f" (dropped: {parts})" if parts else "")
+
+
+def clean_stream(ds: IterableDataset, spec: CleanSpec) -> IterableDataset:
+    """The same normalisation and filters, applied lazily (no counts: the stream has no end)."""
+    if spec.dedup:
+        raise ValueError("exact deduplication needs the whole corpus; set data.clean.dedup=false to stream")
+
+    def normalize(batch: dict[str, list[str]]) -> dict[str, list[str]]:
+        return {
+            "src": [_normalize_text(s, spec.normalize) for s in batch["src"]],
+            "tgt": [_normalize_text(t, spec.normalize) for t in batch["tgt"]],
+        }
+
+    return ds.map(normalize, batched=True).filter(lambda r: _reason(r["src"], r["tgt"], spec) == "")

@@ -7,14 +7,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 from tokenizers import Tokenizer
 
 from tpe_train.data import synthetic
-from tpe_train.data.batching import EOS_ID
-from tpe_train.data.clean import CleanSpec, clean, format_report
-from tpe_train.data.sources import CorpusError, load_split
+from tpe_train.data.batching import EOS_ID, Batch, BatchIterator, collate, length_arrays
+from tpe_train.data.clean import CleanSpec, clean, clean_stream, format_report
+from tpe_train.data.sources import CorpusError, load_split, stream_split
 from tpe_train.data.store import load_store, store_path, write_store
+from tpe_train.data.streaming import StreamingBatches
 from tpe_train.data.tokenizer import encode, load_tokenizer, train_tokenizer, vocab_hash
 
 if TYPE_CHECKING:
@@ -147,7 +148,42 @@ def prepare(cfg: DataConfig, run_tokenizer: Path | None = None) -> Prepared:
     return prepared
 
 
+def train_stream(cfg: DataConfig) -> IterableDataset:
+    """The training split as a cleaned stream (data.streaming)."""
+    if cfg.corpus == "synthetic":
+        return synthetic_splits(cfg).train.to_iterable_dataset(num_shards=8)
+    return clean_stream(stream_split(cfg.source(), cfg.train_split), cfg.cleaning())
+
+
+def _build_streaming(cfg: DataConfig, path: Path) -> Prepared:
+    """Streaming: the store holds the tokenizer (trained on the stream's first pairs) and the
+    validation set; training pairs are read, cleaned and tokenised on the fly."""
+    splits = synthetic_splits(cfg) if cfg.corpus == "synthetic" else test_splits(cfg)
+    if cfg.corpus != "synthetic":
+        splits.valid = load_split(cfg.source(), cfg.valid_split)
+    sample = Dataset.from_list(list(train_stream(cfg).take(cfg.tokenizer_sample)))
+    tok = train_tokenizer(_texts(sample), cfg.vocab_size, cfg.tokenizer)
+    empty = to_dataset(_pairs_dataset([]), tok)
+    valid = to_dataset(splits.valid, tok)
+    write_store(path, tok, empty, valid, {"dropped_too_long": 0, "report": []})
+    splits.valid = valid
+    return Prepared(splits, tok, empty, valid, 0, path, built=True)
+
+
+def batch_stream(data: Prepared, cfg: DataConfig, seed: int) -> Iterator[Batch]:
+    """Training batches of this process (one data-parallel rank: all of them, for now)."""
+    if cfg.streaming:
+        stream = StreamingBatches(
+            train_stream(cfg), data.tokenizer, cfg.max_tokens, seed, cfg.shuffle_buffer, max_len=cfg.max_len
+        )
+        return iter(stream)
+    src_len, tgt_len = length_arrays(data.train)
+    return (collate(data.train, idx) for idx in BatchIterator(src_len, tgt_len, cfg.max_tokens, seed))
+
+
 def _build(cfg: DataConfig, path: Path) -> Prepared:
+    if cfg.streaming:
+        return _build_streaming(cfg, path)
     splits = corpus_splits(cfg)
     tok = train_tokenizer(_texts(splits.train), cfg.vocab_size, cfg.tokenizer)
     num_proc = cfg.num_proc if cfg.num_proc > 1 else None

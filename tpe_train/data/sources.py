@@ -10,13 +10,14 @@ with a message that names the file and the fix, before any long work starts.
 from __future__ import annotations
 
 import gzip
-from collections.abc import Callable
+import itertools
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import datasets
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 
 
 class CorpusError(ValueError):
@@ -94,7 +95,8 @@ def _hub(spec: SourceSpec, split: str) -> Dataset:
     return _from_translation(ds, spec, f"{spec.hub_id} ({spec.config_name}, {split})")
 
 
-def _parquet(spec: SourceSpec, split: str) -> Dataset:
+def _parquet_files(spec: SourceSpec, split: str) -> list[str]:
+    """``<path>[/<config>]/<split>-*.parquet``, as the hub lays them out."""
     root = Path(spec.path)
     folder = root / spec.config_name if (root / spec.config_name).is_dir() else root
     files = sorted(folder.glob(f"{split}-*.parquet")) or sorted(folder.glob(f"{split}.parquet"))
@@ -105,14 +107,16 @@ def _parquet(spec: SourceSpec, split: str) -> Dataset:
             f"splits present: {', '.join(present) or 'none'}); point data.path at the hub layout's "
             "root or set the split names"
         )
+    return [str(f) for f in files]
+
+
+def _parquet(spec: SourceSpec, split: str) -> Dataset:
+    files = _parquet_files(spec, split)
     ds = datasets.load_dataset(
-        "parquet",
-        data_files={split: [str(f) for f in files]},
-        split=split,
-        cache_dir=spec.cache_dir or None,
+        "parquet", data_files={split: files}, split=split, cache_dir=spec.cache_dir or None
     )
     assert isinstance(ds, Dataset)
-    return _from_translation(ds, spec, str(folder / f"{split}-*.parquet"))
+    return _from_translation(ds, spec, f"{Path(files[0]).parent}/{split}-*.parquet")
 
 
 def _disk(spec: SourceSpec, split: str) -> Dataset:
@@ -170,3 +174,55 @@ def _text(spec: SourceSpec, split: str) -> Dataset:
             "corpus must be line-aligned (one segment per line on both sides)"
         )
     return Dataset.from_dict({"src": src, "tgt": tgt})
+
+
+def stream_split(spec: SourceSpec, split: str) -> IterableDataset:
+    """One split as an IterableDataset with ``src``/``tgt``, read lazily shard by shard."""
+    if spec.kind == "hub":
+        ds = datasets.load_dataset(
+            spec.hub_id, spec.config_name, split=split, streaming=True, cache_dir=spec.cache_dir or None
+        )
+    elif spec.kind == "parquet":
+        files = _parquet_files(spec, split)
+        ds = datasets.load_dataset("parquet", data_files={split: files}, split=split, streaming=True)
+    elif spec.kind == "disk":
+        ds = _disk(spec, split).to_iterable_dataset(num_shards=8)
+    elif spec.kind == "text":
+        src_path = _text_file(Path(spec.path) / f"{split}.{spec.src_lang}")
+        tgt_path = _text_file(Path(spec.path) / f"{split}.{spec.tgt_lang}")
+        return IterableDataset.from_generator(
+            _line_pairs, gen_kwargs={"src": str(src_path), "tgt": str(tgt_path), "bad_utf8": spec.bad_utf8}
+        )
+    else:
+        raise CorpusError(f"unknown corpus kind {spec.kind!r}")
+    assert isinstance(ds, IterableDataset)
+    if {"src", "tgt"} <= set(ds.column_names or []):
+        return ds.select_columns(["src", "tgt"])
+    src, tgt = spec.src_lang, spec.tgt_lang
+    return ds.map(
+        lambda r: {"src": r["translation"][src], "tgt": r["translation"][tgt]}, remove_columns=["translation"]
+    )
+
+
+def _line_pairs(src: str, tgt: str, bad_utf8: str) -> Iterator[dict[str, str]]:
+    """Aligned lines of two files, read lazily; a length mismatch or bad bytes stop with a message."""
+    errors = "replace" if bad_utf8 == "replace" else "strict"
+    opener: Any = gzip.open
+    with (
+        (opener if src.endswith(".gz") else open)(src, "rt", encoding="utf-8", errors=errors) as fs,
+        (opener if tgt.endswith(".gz") else open)(tgt, "rt", encoding="utf-8", errors=errors) as ft,
+    ):
+        line = 0
+        try:
+            for line, (s, t) in enumerate(itertools.zip_longest(fs, ft), start=1):
+                if s is None or t is None:
+                    short = src if s is None else tgt
+                    raise CorpusError(
+                        f"{short} ends at line {line - 1} but the other side goes on; the files of a "
+                        "text corpus must be line-aligned"
+                    )
+                yield {"src": s.rstrip("\n"), "tgt": t.rstrip("\n")}
+        except UnicodeDecodeError:
+            raise CorpusError(
+                f"{src} or {tgt} near line {line + 1} is not UTF-8; convert it, or set data.bad_utf8=replace"
+            ) from None

@@ -27,7 +27,7 @@ DEFAULT_ROOT = "~/.cache/tpe-train/data"
 
 def fingerprint(cfg: DataConfig) -> str:
     """A short hash of every data setting that changes the stored tokens."""
-    fields = cfg.model_dump(mode="json", exclude={"max_tokens", "num_proc", "store_dir"})
+    fields = cfg.model_dump(mode="json", exclude={"max_tokens", "num_proc", "store_dir", "shuffle_buffer"})
     if cfg.corpus != "synthetic":
         fields.pop("synthetic")
     fields["version"] = STORE_VERSION
