@@ -175,3 +175,19 @@ def test_beams_sharing_one_memory_equal_repeated_memory(kind: str) -> None:
         torch.testing.assert_close(out_grp, out_rep, atol=1e-5, rtol=1e-5)
     # a multi-token chunk with a group falls back to repeating the memory
     torch.testing.assert_close(model.decode(tgt, grouped), model.decode(tgt, repeated), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["sinusoidal", "t5", "rope"])
+def test_beam_search_batch_equals_one_sentence_at_a_time(kind: str) -> None:
+    # Sentences finish at different steps and leave the batch; the rest must be unaffected.
+    model = tiny_model(kind)
+    torch.manual_seed(1)
+    src = torch.randint(3, 40, (5, 6))
+    src[1, 3:] = 0
+    src[3, 5:] = 0
+    batched = beam_search(model, src, beam=3, max_len_a=1.0, max_len_b=4)
+    for i in range(5):
+        row = src[i : i + 1, : int((src[i] != 0).sum())]
+        assert beam_search(model, row, beam=3, max_len_a=1.0, max_len_b=4) == [batched[i]]
+    lengths = {len(h) for h in batched}
+    assert len(lengths) > 1  # the sentences did finish at different steps

@@ -49,12 +49,21 @@ class KVCache:
         self.length = k.shape[2]
         return self.k, self.v
 
+    def select(self, rows: Tensor) -> None:
+        """Keep batch rows ``rows`` of a stored memory (cross-attention)."""
+        if self.k is not None and self.v is not None:
+            self.k, self.v = self.k[rows], self.v[rows]
+
     def reorder(self, index: Tensor) -> None:
         """Keep batch rows ``index`` (beam search), copying only the filled prefix."""
         n = self.length
-        if self.k is not None and self.v is not None:
+        if self.k is None or self.v is None:
+            return
+        if index.numel() == self.k.shape[0]:
             self.k[:, :, :n] = self.k[:, :, :n].index_select(0, index)
             self.v[:, :, :n] = self.v[:, :, :n].index_select(0, index)
+        else:  # the batch shrinks (finished sentences leave): new, smaller buffers
+            self.k, self.v = self.k.index_select(0, index), self.v.index_select(0, index)
 
 
 class Attention(nn.Module):

@@ -66,28 +66,25 @@ def beam_search(
     when it has ``beam`` finished hypotheses.
     """
     args = model.args
-    batch, device = src.shape[0], src.device
+    device = src.device
     limit = _max_lengths(model, src, max_len_a, max_len_b)
     memory = model.encode(src)
     memory.group = beam  # every sentence's memory serves its K beams, without K copies
     cache = model.new_cache()
-    scores = torch.zeros(batch, beam, device=device)
+    alive = list(range(src.shape[0]))  # the sentences still decoding; row i of the batch is alive[i]
+    scores = torch.zeros(len(alive), beam, device=device)
     scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first
-    tokens = torch.full((batch * beam, 1), args.bos_id, dtype=torch.long, device=device)
-    finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(batch)]
-    done = [False] * batch
+    tokens = torch.full((len(alive) * beam, 1), args.bos_id, dtype=torch.long, device=device)
+    finished: list[list[tuple[float, list[int]]]] = [[] for _ in alive]
     for step in range(int(limit.max())):
+        batch = len(alive)
         logits = model.decode(tokens[:, -1:], memory, cache)[:, -1]  # (B*K, V)
         lprobs = torch.log_softmax(logits.float(), dim=-1)
         forced = (limit <= step + 1).repeat_interleave(beam)  # must end now
         if bool(forced.any()):
             eos_only = torch.full_like(lprobs[0], float("-inf"))
             eos_only[args.eos_id] = 0.0
-            lprobs = torch.where(
-                forced[:, None],
-                eos_only + lprobs[:, args.eos_id : args.eos_id + 1],
-                lprobs,
-            )
+            lprobs = torch.where(forced[:, None], eos_only + lprobs[:, args.eos_id : args.eos_id + 1], lprobs)
         lprobs[:, args.pad_id] = float("-inf")
         # A sentence's best 2K continuations are among the best 2K of each of its beams: select per
         # row first, then among the K * 2K survivors (cheaper than adding scores to all K * V).
@@ -99,35 +96,35 @@ def beam_search(
         is_eos = token == args.eos_id
 
         # Finalize EOS candidates ranked within the first K.
-        hits = (is_eos[:, :beam]).nonzero().tolist()
-        for b, c in hits:
-            if done[b] or top_scores[b, c] == float("-inf"):
+        for b, c in is_eos[:, :beam].nonzero().tolist():
+            done_list = finished[alive[b]]
+            if len(done_list) >= beam or top_scores[b, c] == float("-inf"):
                 continue
             hyp = tokens[b * beam + int(src_beam[b, c]), 1:].tolist()
-            score = float(top_scores[b, c]) / float(length_penalty(len(hyp) + 1, alpha))
-            if len(finished[b]) < beam:
-                finished[b].append((score, hyp))
-        for b in range(batch):
-            if not done[b] and len(finished[b]) >= beam:
-                done[b] = True
-        if all(done):
+            done_list.append((float(top_scores[b, c]) / float(length_penalty(len(hyp) + 1, alpha)), hyp))
+        still = [i for i in range(batch) if len(finished[alive[i]]) < beam]
+        if not still:
             break
 
-        # Continue with the first K non-EOS candidates of each sentence.
+        # Continue with the first K non-EOS candidates of each sentence still decoding.
         order = (is_eos.long() * (2 * beam) + torch.arange(2 * beam, device=device)).argsort(dim=-1)
         keep = order[:, :beam]  # (B, K)
-        next_scores = top_scores.gather(1, keep)
         next_beam = src_beam.gather(1, keep) + torch.arange(batch, device=device)[:, None] * beam
-        next_token = token.gather(1, keep)
-        # A sentence that is done keeps decoding harmlessly: its scores no longer matter.
-        scores = next_scores
+        scores, next_token = top_scores.gather(1, keep), token.gather(1, keep)
+        if len(still) < batch:  # drop finished sentences from the batch (and from every cache)
+            rows = torch.tensor(still, device=device)
+            next_beam, scores, next_token = next_beam[rows], scores[rows], next_token[rows]
+            memory = memory.select(rows)
+            cache.select_sentences(rows)
+            limit = limit[rows]
+            alive = [alive[i] for i in still]
         flat = next_beam.flatten()
         cache.reorder(flat)
         tokens = torch.cat((tokens.index_select(0, flat), next_token.reshape(-1, 1)), dim=1)
 
     results: list[list[int]] = []
-    for b in range(batch):
-        if not finished[b]:  # cannot happen (the length limit forces EOS), but never return nothing
-            finished[b].append((0.0, tokens[b * beam, 1:].tolist()))
-        results.append(max(finished[b], key=lambda sh: sh[0])[1])
+    for b, hyps in enumerate(finished):
+        if not hyps:  # cannot happen (the length limit forces EOS), but never return nothing
+            hyps.append((0.0, tokens[alive.index(b) * beam, 1:].tolist() if b in alive else []))
+        results.append(max(hyps, key=lambda sh: sh[0])[1])
     return results

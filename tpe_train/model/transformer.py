@@ -182,6 +182,12 @@ class DecoderCache:
         for layer in self.layers:
             layer["self"].reorder(index)
 
+    def select_sentences(self, rows: Tensor) -> None:
+        """Keep the cross-attention memory of sentences ``rows`` (beam search drops finished ones;
+        the self-attention caches follow through ``reorder``)."""
+        for layer in self.layers:
+            layer["cross"].select(rows)
+
 
 @dataclass
 class Memory:
@@ -191,6 +197,10 @@ class Memory:
     keep: Tensor  # (B, 1, 1, Ls) bool
     positions: Tensor  # (Ls,)
     group: int = 1  # decoder rows per memory row (beam search: the beam size)
+
+    def select(self, rows: Tensor) -> Memory:
+        """The memory of sentences ``rows`` only."""
+        return Memory(self.states[rows], self.keep[rows], self.positions, self.group)
 
 
 class Transformer(nn.Module):
