@@ -165,19 +165,20 @@ class Attention(nn.Module):
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float, is_causal: bool = False) -> Tensor:
-    """``F.scaled_dot_product_attention``; in bf16/fp16 on the CPU restricted to the math backend.
+    """``F.scaled_dot_product_attention``; on the CPU restricted to its math backend.
 
-    PyTorch's CPU flash kernel is about 3x slower than the math path in bf16 at translation lengths
-    (forward + backward, (128, 4, 37, 64): 60 ms against 22 ms), which alone ate bf16's gain; and for
-    the few queries of an incremental decoding step (one token, or the beams of a sentence against
-    its memory) its set-up costs more than the work: plain matmuls are used there.
+    PyTorch's CPU flash kernel is about 3x slower than the math backend in bf16 at translation
+    lengths (forward + backward, (128, 4, 37, 64): 60 ms against 22 ms), which alone ate bf16's gain,
+    and slightly slower in fp32 too (24 against 21 ms). For the few queries of an incremental decoding
+    step (one token, or the beams of a sentence against its memory) even that costs more than the
+    work: plain matmuls are used there. On a GPU every call goes to SDPA's own choice of kernel.
     """
     if q.device.type == "cpu" and q.shape[2] <= 8 and p == 0.0 and not is_causal:
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)  # (B, H, Lq, Lk)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
         return torch.matmul(torch.softmax(scores, dim=-1), v)
-    if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16):
+    if q.device.type == "cpu":
         with sdpa_kernel(SDPBackend.MATH):
             return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
