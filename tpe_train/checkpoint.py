@@ -12,6 +12,7 @@ import shutil
 from pathlib import Path
 
 import torch
+import yaml
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
@@ -66,8 +67,6 @@ def load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
             f"{directory} is not a tpe-train checkpoint: {', '.join(missing)} missing; pass the "
             "directory written at the end of training (<run_dir>/checkpoint)"
         )
-    import yaml
-
     try:
         cfg = validate(yaml.safe_load((directory / CONFIG).read_text()))
     except ConfigError as err:

@@ -50,10 +50,15 @@ def pairs_of(ds: Dataset, limit: int | None = None) -> list[synthetic.Pair]:
     return list(zip(ds["src"], ds["tgt"], strict=True))
 
 
+def _synthetic_train(cfg: DataConfig) -> list[synthetic.Pair]:
+    s = cfg.synthetic
+    return synthetic.generate(s.train_size, s.seed, s.min_words, s.max_words)
+
+
 def synthetic_splits(cfg: DataConfig) -> Splits:
     """All splits of the embedded corpus; disjoint sources, a pure function of the config."""
     s = cfg.synthetic
-    train = synthetic.generate(s.train_size, s.seed, s.min_words, s.max_words)
+    train = _synthetic_train(cfg)
     seen = {src for src, _ in train}
     valid = synthetic.generate(s.valid_size, s.seed + 1, s.min_words, s.max_words, exclude=seen)
     seen |= {src for src, _ in valid}
@@ -151,7 +156,7 @@ def prepare(cfg: DataConfig, run_tokenizer: Path | None = None) -> Prepared:
 def train_stream(cfg: DataConfig) -> IterableDataset:
     """The training split as a cleaned stream (data.streaming)."""
     if cfg.corpus == "synthetic":
-        return synthetic_splits(cfg).train.to_iterable_dataset(num_shards=8)
+        return _pairs_dataset(_synthetic_train(cfg)).to_iterable_dataset(num_shards=8)
     return clean_stream(stream_split(cfg.source(), cfg.train_split), cfg.cleaning())
 
 

@@ -7,6 +7,7 @@ the source, the target and the output layer; a causal decoder with an incrementa
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,8 +47,7 @@ class Layer(nn.Module):
         self.ffn = FeedForward(d, args.ffn_dim, args.activation_dropout)
         self.ffn_norm = nn.LayerNorm(d)
 
-    def _residual(self, x: Tensor, norm: nn.LayerNorm, fn: object) -> Tensor:
-        assert callable(fn)
+    def _residual(self, x: Tensor, norm: nn.LayerNorm, fn: Callable[[Tensor], Tensor]) -> Tensor:
         if self.pre_norm:
             return x + F.dropout(fn(norm(x)), self.dropout, self.training)
         return norm(x + F.dropout(fn(x), self.dropout, self.training))
