@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import pytest
@@ -116,7 +117,13 @@ def test_head_slices_union_equals_full_bias(kind: str) -> None:
     enc = build_position(kind, args())
     q = torch.randn(1, 4, 5, 8)
     full = enc.attn_bias(q, torch.arange(5), torch.arange(5))
-    parts = [enc.attn_bias(q[:, :2], torch.arange(5), torch.arange(5), heads=h) for h in ([0, 1], [2, 3])]
+    parts = []
+    for rank_heads in ([0, 1], [2, 3]):  # what each of two tensor-parallel ranks keeps
+        part = copy.deepcopy(enc)
+        part.keep_heads(rank_heads)
+        parts.append(part.attn_bias(q[:, rank_heads], torch.arange(5), torch.arange(5)))
+        stored = sum(t.numel() for t in [*part.parameters(), *part.buffers()])
+        assert stored == sum(t.numel() for t in [*enc.parameters(), *enc.buffers()]) // 2
     assert full is not None and all(p is not None for p in parts)
     torch.testing.assert_close(torch.cat(parts, dim=1), full)  # type: ignore[arg-type]
 

@@ -7,7 +7,9 @@ from conftest import tiny_model
 
 from tpe_train.config import load_config
 from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
-from tpe_train.train import accumulate_gradients, inverse_sqrt
+from tpe_train.parallel.context import ParallelContext
+from tpe_train.parallel.engine import Engine
+from tpe_train.train import inverse_sqrt, train_step
 
 
 def batch(rows: list[list[int]]) -> Batch:
@@ -20,23 +22,29 @@ def batch(rows: list[list[int]]) -> Batch:
     )
 
 
-def grads(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [p.grad.clone() for p in model.parameters() if p.grad is not None]
+def one_step(micro: list[Batch], accumulate: int) -> tuple[dict[str, float], list[torch.Tensor]]:
+    """Parameters after one SGD step (linear in the gradient, so gradients are compared exactly)."""
+    cfg = load_config("demo", [f"train.accumulate={accumulate}", "train.clip_norm=0"])
+    torch.manual_seed(0)
+    model = tiny_model("t5")  # eval mode: no dropout, so the two computations are comparable
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ctx = ParallelContext.fake()
+    engine = Engine(model, opt, sched, ctx, accumulate=accumulate, clip_norm=0.0, deepspeed=None)
+    stats = train_step(engine, micro, cfg, ctx, cast=False)
+    return stats, [p.detach().clone() for p in model.parameters()]
 
 
 def test_accumulating_two_batches_equals_one_double_batch() -> None:
-    cfg = load_config("demo", ["train.label_smoothing=0.1"])
     rows_a = [[5, 6, 7], [8, 9, 10, 11, 12]]
     rows_b = [[13, 14], [15, 16, 17, 18], [19, 20, 21]]
-    model = tiny_model("t5")  # eval mode: no dropout, so the two computations are comparable
-    loss_acc, _, ntok_acc = accumulate_gradients(model, [batch(rows_a), batch(rows_b)], cfg)
-    accumulated = grads(model)
-    model.zero_grad()
-    loss_one, _, ntok_one = accumulate_gradients(model, [batch(rows_a + rows_b)], cfg)
-    assert ntok_acc == ntok_one == (3 + 1) + (5 + 1) + (2 + 1) + (4 + 1) + (3 + 1)  # targets + EOS
-    assert abs(loss_acc - loss_one) < 1e-4
-    for a, b in zip(accumulated, grads(model), strict=True):
-        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    acc, params_acc = one_step([batch(rows_a), batch(rows_b)], accumulate=2)
+    one, params_one = one_step([batch(rows_a + rows_b)], accumulate=1)
+    assert acc["tokens"] == one["tokens"] == (3 + 1) + (5 + 1) + (2 + 1) + (4 + 1) + (3 + 1)  # + EOS
+    assert abs(acc["loss"] - one["loss"]) < 1e-5
+    assert abs(acc["grad_norm"] - one["grad_norm"]) < 1e-5 * one["grad_norm"]
+    for a, b in zip(params_acc, params_one, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 def test_inverse_sqrt_schedule() -> None:

@@ -299,7 +299,11 @@ class TrainConfig(Section):
     label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
     """Label smoothing epsilon."""
     bf16: bool = False
-    """bf16 autocast for forward and loss (parameters and optimizer stay fp32)."""
+    """bf16: autocast on one process; under DeepSpeed, bf16 weights with fp32 master weights."""
+    fp16: bool = False
+    """fp16 with dynamic loss scaling (DeepSpeed on GPUs only; the CPU has no fp16 training path)."""
+    loss_scale_power: int = Field(16, ge=0, le=32)
+    """fp16: the dynamic loss scale starts at 2**loss_scale_power."""
     threads: int = Field(0, ge=0)
     """torch intra-op threads (0: leave torch's default)."""
     log_every: int = Field(10, ge=1)
@@ -310,6 +314,11 @@ class TrainConfig(Section):
     """Validation sentences translated (greedy) for BLEU during training; 0: skip."""
     progress: bool = True
     """Show a progress bar on the terminal."""
+
+
+class ParallelConfig(Section):
+    tp_size: int | None = Field(None, ge=1)
+    """Tensor-parallel size (DeepSpeed AutoTP); empty: the launch file's autotp_size, else 1."""
 
 
 class EvalConfig(Section):
@@ -340,9 +349,13 @@ class Config(Section):
     """Optimisation and logging."""
     eval: EvalConfig = Field(default_factory=EvalConfig)
     """Decoding and scoring."""
+    parallel: ParallelConfig = Field(default_factory=ParallelConfig)
+    """Tensor parallelism (ZeRO stage and offload come from the launch file)."""
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:
+        if self.train.bf16 and self.train.fp16:
+            raise ValueError("train.bf16 and train.fp16 are both set; choose one precision")
         p = self.model.position
         if "learned" in (p.kind, p.cross) and p.max_positions < self.data.max_len + 1:
             raise ValueError(

@@ -175,15 +175,26 @@ def _build_streaming(cfg: DataConfig, path: Path) -> Prepared:
     return Prepared(splits, tok, empty, valid, 0, path, built=True)
 
 
-def batch_stream(data: Prepared, cfg: DataConfig, seed: int) -> Iterator[Batch]:
-    """Training batches of this process (one data-parallel rank: all of them, for now)."""
+def batch_stream(
+    data: Prepared, cfg: DataConfig, seed: int, dp_rank: int = 0, dp_size: int = 1
+) -> Iterator[Batch]:
+    """Training batches of data-parallel rank ``dp_rank`` of ``dp_size`` (tensor-parallel ranks of
+    one group pass the same ``dp_rank`` and get the same batches)."""
     if cfg.streaming:
         stream = StreamingBatches(
-            train_stream(cfg), data.tokenizer, cfg.max_tokens, seed, cfg.shuffle_buffer, max_len=cfg.max_len
+            train_stream(cfg),
+            data.tokenizer,
+            cfg.max_tokens,
+            seed,
+            cfg.shuffle_buffer,
+            max_len=cfg.max_len,
+            dp_rank=dp_rank,
+            dp_size=dp_size,
         )
         return iter(stream)
     src_len, tgt_len = length_arrays(data.train)
-    return (collate(data.train, idx) for idx in BatchIterator(src_len, tgt_len, cfg.max_tokens, seed))
+    batches = BatchIterator(src_len, tgt_len, cfg.max_tokens, seed, dp_rank=dp_rank, dp_size=dp_size)
+    return (collate(data.train, idx) for idx in batches)
 
 
 def _build(cfg: DataConfig, path: Path) -> Prepared:

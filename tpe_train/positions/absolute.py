@@ -45,7 +45,10 @@ class SinusoidalPosition(PositionEncoding):
 
 @POSITIONS.register("learned")
 class LearnedPosition(PositionEncoding):
-    """A learned absolute table of ``max_positions`` rows (BART, BERT)."""
+    """A learned absolute table of ``max_positions`` rows (BART, BERT). Tensor parallelism may
+    replace ``table`` by a module that holds a slice of the rows and answers the same lookups."""
+
+    tp_split = "positions"
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__(args)

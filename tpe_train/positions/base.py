@@ -50,6 +50,9 @@ class PositionEncoding(nn.Module):
     needs_weights: bool = False
     #: whether ``attn_bias`` can return a tensor (lets attention keep the fused causal path otherwise)
     has_bias: ClassVar[bool] = False
+    #: how tensor parallelism treats this encoding's tables: "heads" (one column per head, narrowed by
+    #: ``keep_heads``), "positions" (an absolute table split along positions) or "replicated"
+    tp_split: ClassVar[str] = "replicated"
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()
@@ -70,15 +73,18 @@ class PositionEncoding(nn.Module):
         """q: (B, H, Lq, hd), k: (B, H, Lk, hd) -> rotated (q, k)."""
         return q, k
 
-    def attn_bias(
-        self, q: Tensor, q_pos: Tensor, k_pos: Tensor, heads: list[int] | None = None
-    ) -> Tensor | None:
-        """Additive logits broadcastable to (B, H, Lq, Lk), or ``None``.
+    def attn_bias(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        """Additive logits broadcastable to (B, H, Lq, Lk) for the heads in ``self.heads``, or ``None``.
 
-        ``q`` is the (B, H, Lq, hd) query (content-dependent biases use it); ``heads`` are the global
-        head indices to build rows for (default: ``self.heads``).
+        ``q`` is the (B, H, Lq, hd) query (content-dependent biases use it).
         """
         return None
+
+    def keep_heads(self, heads: list[int]) -> None:
+        """Serve only the global heads ``heads`` (a tensor-parallel rank's share): per-head tables and
+        constants keep only their rows, computed from the global indices. Head-agnostic encodings
+        only record the list."""
+        self.heads = list(heads)
 
     def value_term(self, weights: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """weights: (B, H, Lq, Lk) attention probabilities -> (B, H, Lq, hd) added to the output."""

@@ -44,9 +44,7 @@ class ShawPosition(PositionEncoding):
         k = self.args.shaw_clip
         return relative_distance(q_pos, k_pos).clamp(-k, k) + k
 
-    def attn_bias(
-        self, q: Tensor, q_pos: Tensor, k_pos: Tensor, heads: list[int] | None = None
-    ) -> Tensor | None:
+    def attn_bias(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
         scores = torch.matmul(q, self.keys.to(q.dtype).t()) * self.scale  # (B, H, Lq, 2k+1)
         idx = self.bucket(q_pos, k_pos)  # (Lq, Lk)
         idx = idx.expand(*scores.shape[:-1], idx.shape[-1])  # (B, H, Lq, Lk)
@@ -84,26 +82,28 @@ class T5Position(PositionEncoding):
     bidirectional in the encoder, causal in the decoder."""
 
     has_bias = True
+    tp_split = "heads"
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__(args)
-        self.table = nn.Embedding(args.t5_buckets, args.n_heads)
+        self.table = nn.Embedding(args.t5_buckets, args.n_heads)  # column h: head self.heads[h]
         nn.init.normal_(self.table.weight, std=0.1)
 
-    def attn_bias(
-        self, q: Tensor, q_pos: Tensor, k_pos: Tensor, heads: list[int] | None = None
-    ) -> Tensor | None:
+    def keep_heads(self, heads: list[int]) -> None:
+        columns = [self.heads.index(h) for h in heads]
+        with torch.no_grad():
+            kept = self.table.weight[:, head_index(columns, self.table.weight.device)].clone()
+        self.table.weight = nn.Parameter(kept)
+        super().keep_heads(heads)
+
+    def attn_bias(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
         buckets = t5_bucket(
             relative_distance(q_pos, k_pos),
             bidirectional=not self.args.causal,
             num_buckets=self.args.t5_buckets,
             max_distance=self.args.t5_max_distance,
         )  # (Lq, Lk)
-        weight = self.table.weight
-        rows = heads if heads is not None else self.heads
-        if len(rows) != self.args.n_heads:
-            weight = weight.index_select(1, head_index(rows, weight.device))
-        return weight[buckets].permute(2, 0, 1).unsqueeze(0).to(q.dtype)  # (1, h, Lq, Lk)
+        return self.table.weight[buckets].permute(2, 0, 1).unsqueeze(0).to(q.dtype)  # (1, h, Lq, Lk)
 
 
 def alibi_slopes(n_heads: int) -> list[float]:
@@ -126,15 +126,23 @@ class AlibiPosition(PositionEncoding):
     causal mask leaves only j <= i, where it is the original -slope_h * (i - j)."""
 
     has_bias = True
+    tp_split = "heads"
+    slopes: Tensor
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__(args)
-        self.slopes = torch.tensor(alibi_slopes(args.n_heads), dtype=torch.float32)
+        self.register_buffer("slopes", self._slopes(self.heads), persistent=False)
 
-    def attn_bias(
-        self, q: Tensor, q_pos: Tensor, k_pos: Tensor, heads: list[int] | None = None
-    ) -> Tensor | None:
-        rows = heads if heads is not None else self.heads
-        slopes = self.slopes.to(q.device)[head_index(rows, q.device)]  # (h,)
+    def _slopes(self, heads: list[int]) -> Tensor:
+        """Slopes of the global heads ``heads`` only (a TP rank never builds the others)."""
+        every = alibi_slopes(self.args.n_heads)
+        return torch.tensor([every[h] for h in heads], dtype=torch.float32)
+
+    def keep_heads(self, heads: list[int]) -> None:
+        super().keep_heads(heads)
+        self.slopes = self._slopes(heads).to(self.slopes.device)
+
+    def attn_bias(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
+        slopes = self.slopes.to(q.device)  # (h,)
         distance = relative_distance(q_pos, k_pos).abs().to(torch.float32)  # (Lq, Lk)
         return (-slopes[:, None, None] * distance).unsqueeze(0).to(q.dtype)  # (1, h, Lq, Lk)

@@ -1,0 +1,190 @@
+"""Run under ``accelerate launch`` by tests/test_distributed.py: real engines, real process groups.
+
+    accelerate launch --config_file X.yaml tests/dist_harness.py tp OUT.json [kinds...]
+    accelerate launch --config_file X.yaml tests/dist_harness.py zero OUT.json STEPS
+
+``tp``: for each encoding, one training step of the tensor-parallel engine the launch file describes,
+and the same step of one plain process on the same batch; records both losses and gradient norms
+and the largest difference of the consolidated parameters after the step.
+``zero``: STEPS steps where each of the data-parallel ranks takes its half of a fixed global batch;
+the reference is one plain process taking the whole global batch (as two accumulated halves);
+records losses, gradient norms and the largest parameter difference after every step.
+Rank 0 writes the figures to OUT.json; the test asserts on them.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Any
+
+import torch
+
+from tpe_train.config import Config, load_config
+from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
+from tpe_train.parallel.context import ParallelContext
+from tpe_train.parallel.deepspeed import deepspeed_config, resolve_layout
+from tpe_train.parallel.engine import Engine
+from tpe_train.parallel.memory import memory_report, optimizer_state_bytes
+from tpe_train.parallel.plan import shard_positions
+from tpe_train.train import train_step
+
+VOCAB = 64
+
+
+def config(kind: str, accumulate: int = 1) -> Config:
+    return load_config(
+        "demo",
+        [
+            f"model.position.kind={kind}",
+            "model.d_model=32",
+            "model.n_heads=4",
+            "model.ffn_dim=64",
+            "model.encoder_layers=2",
+            "model.decoder_layers=2",
+            "model.dropout=0.0",
+            "model.position.max_positions=64",
+            "model.position.shaw_clip=3",
+            "model.position.shaw_values=true",
+            "model.position.t5_buckets=8",
+            "model.position.t5_max_distance=16",
+            "data.max_len=60",
+            f"train.accumulate={accumulate}",
+            "train.clip_norm=1000",  # clipping on, never binding: the norm is computed and reported
+            "train.label_smoothing=0.1",
+            "train.lr=1e-4",  # Adam moves every parameter by about lr per step: 5e-4 in 5 steps
+        ],
+    )
+
+
+def model_for(cfg: Config) -> torch.nn.Module:
+    from tpe_train.model.transformer import Transformer
+
+    torch.manual_seed(0)
+    return Transformer(cfg.model.args(VOCAB, 0, BOS_ID, EOS_ID))
+
+
+def batch(seed: int, rows: int = 4) -> Batch:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 12, (rows,), generator=g).tolist()
+    src = [torch.randint(4, VOCAB, (n,), generator=g).tolist() for n in lengths]
+    tgt = [[*r[::-1], EOS_ID] for r in src]
+    return Batch(
+        ids=torch.arange(rows),
+        src=pad([[*r, EOS_ID] for r in src]),
+        tgt_in=pad([t[:-1] for t in tgt], prefix=BOS_ID),
+        tgt_out=pad(tgt),
+    )
+
+
+def engine_for(cfg: Config, ctx: ParallelContext, ds: dict[str, Any] | None) -> Engine:
+    from accelerate.state import AcceleratorState, GradientState
+
+    if ds is not None:  # one Accelerator per DeepSpeed engine built in this process
+        AcceleratorState._reset_state(True)
+        GradientState._reset_state()
+    model = model_for(cfg)
+    shard_positions(model, ctx)
+    model.train()
+    # eps 1e-6, not the paper's 1e-9: some gradients are zero in exact arithmetic (key biases:
+    # softmax ignores a constant added to every logit) and are rounding noise of ~1e-10 whose sign
+    # depends on the summation order; Adam with eps 1e-9 turns that noise into full +-lr steps.
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.98), eps=1e-6)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    return Engine(
+        model, opt, sched, ctx, accumulate=cfg.train.accumulate, clip_norm=cfg.train.clip_norm, deepspeed=ds
+    )
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), sorted(set(a) ^ set(b))
+    return max(float((a[k] - b[k]).abs().max()) for k in a)
+
+
+def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[Any]:
+    diffs = sorted(((float((a[k] - b[k]).abs().max()), k) for k in a), reverse=True)
+    return diffs[:4]
+
+
+def tp_check(kinds: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ctx = None
+    for kind in kinds:
+        cfg = config(kind)
+        layout = resolve_layout(cfg)
+        ctx = ctx or ParallelContext.from_env(layout.tp_size, deepspeed=True)
+        b = batch(1)
+        sharded = engine_for(cfg, ctx, deepspeed_config(cfg, layout))
+        stats = train_step(sharded, [b], cfg, ctx, cast=False)
+        after = sharded.consolidated()
+        plain = engine_for(cfg, ParallelContext.fake(), None)
+        ref = train_step(plain, [b], cfg, ParallelContext.fake(), cast=False)
+        out[kind] = {
+            "memory": memory(sharded, ctx, layout.zero_stage),
+            "ref_memory": memory(plain, ParallelContext.fake(), None),
+            "tp_size": ctx.tp_size,
+            "loss": stats["loss"],
+            "ref_loss": ref["loss"],
+            "grad_norm": stats["grad_norm"],
+            "ref_grad_norm": ref["grad_norm"],
+            "param_diff": max_diff(after, plain.consolidated()),
+            "worst": worst(after, plain.consolidated()),
+            "position_params": {
+                n: list(p.shape) for n, p in sharded.module.named_parameters() if "positions" in n
+            },
+        }
+    return out
+
+
+def zero_check(steps: int) -> dict[str, Any]:
+    cfg = config("t5")
+    layout = resolve_layout(cfg)
+    ctx = ParallelContext.from_env(layout.tp_size, deepspeed=True)
+    sharded = engine_for(cfg, ctx, deepspeed_config(cfg, layout))
+    cfg2 = config("t5", accumulate=ctx.dp_size)
+    plain = engine_for(cfg2, ParallelContext.fake(), None)
+    rows = []
+    for step in range(steps):
+        halves = [batch(100 * step + r, rows=3 + r) for r in range(ctx.dp_size)]
+        stats = train_step(sharded, [halves[ctx.dp_rank]], cfg, ctx, cast=False)
+        ref = train_step(plain, halves, cfg2, ParallelContext.fake(), cast=False)
+        rows.append(
+            {
+                "loss": stats["loss"],
+                "ref_loss": ref["loss"],
+                "grad_norm": stats["grad_norm"],
+                "ref_grad_norm": ref["grad_norm"],
+                "param_diff": max_diff(sharded.consolidated(), plain.consolidated()),
+                "moved": max_diff(plain.consolidated(), model_state(cfg)),
+            }
+        )
+    return {
+        "dp_size": ctx.dp_size,
+        "zero_stage": layout.zero_stage,
+        "steps": rows,
+        "memory": memory(sharded, ctx, layout.zero_stage),
+        "ref_memory": memory(plain, ParallelContext.fake(), None),
+    }
+
+
+def memory(engine: Engine, ctx: ParallelContext, stage: int | None) -> dict[str, Any]:
+    """The start-up report and, after the steps, the optimizer state bytes really held."""
+    report = memory_report(engine.module, engine.optimizer, ctx.rank, stage, offload=False).as_dict()
+    report["optimizer_state_held"] = optimizer_state_bytes(engine.optimizer)
+    return report
+
+
+def model_state(cfg: Config) -> dict[str, torch.Tensor]:
+    return {n: p.detach().float() for n, p in model_for(cfg).named_parameters()}
+
+
+def main() -> None:
+    mode, path = sys.argv[1], sys.argv[2]
+    result = tp_check(sys.argv[3:]) if mode == "tp" else zero_check(int(sys.argv[3]))
+    if torch.distributed.get_rank() == 0:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

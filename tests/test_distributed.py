@@ -1,0 +1,161 @@
+"""Distributed training with real engines: ``accelerate launch`` of 2 CPU processes over gloo, DeepSpeed
+ZeRO 1-3 and AutoTP. Each test launches real processes (about 10 s each) and asserts on what they wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tpe_train.positions import POSITIONS
+
+ROOT = Path(__file__).resolve().parents[1]
+HARNESS = ROOT / "tests" / "dist_harness.py"
+
+
+def launch(config_file: Path, args: list[str], tmp_path: Path, timeout: int = 600) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TPE_DATA_CACHE": str(tmp_path / "data")}
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
+
+
+def zero_launch_file(tmp_path: Path, stage: int) -> Path:
+    """A 2-process CPU launch file whose DeepSpeed file asks for ZeRO ``stage``; every parameter is
+    partitioned under ZeRO-3 (no persistence threshold), so the test covers the gathering paths."""
+    ds = tmp_path / f"zero{stage}.json"
+    ds.write_text(json.dumps({"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}))
+    text = (ROOT / "configs/accelerate/cpu_zero2.yaml").read_text()
+    out = tmp_path / f"zero{stage}.yaml"
+    out.write_text(text.replace("configs/deepspeed/zero2.json", str(ds)))
+    return out
+
+
+def relative(a: float, b: float) -> float:
+    return abs(a - b) / max(abs(b), 1e-12)
+
+
+def test_tensor_parallel_2_equals_1_for_every_encoding(tmp_path: Path) -> None:
+    out = tmp_path / "tp.json"
+    kinds = POSITIONS.names()
+    launch(ROOT / "configs/accelerate/cpu_tp2.yaml", [str(HARNESS), "tp", str(out), *kinds], tmp_path)
+    result = json.loads(out.read_text())
+    assert sorted(result) == sorted(kinds)
+    for kind, r in result.items():
+        assert r["tp_size"] == 2
+        assert relative(r["loss"], r["ref_loss"]) < 1e-5, (kind, r)
+        assert relative(r["grad_norm"], r["ref_grad_norm"]) < 1e-5, (kind, r)
+        assert r["param_diff"] < 1e-5, (kind, r["worst"])  # after the optimizer step, shards gathered
+    # Each rank holds only its heads' T5 columns and half the learned table's rows ...
+    assert result["t5"]["position_params"]["encoder.positions.0.table.weight"] == [8, 2]
+    assert result["learned"]["position_params"]["encoder.positions.0.table.weight"] == [32, 32]
+    # ... and Shaw's small per-layer tables stay whole (replicated, gradients summed over the group).
+    assert result["shaw"]["position_params"]["encoder.positions.0.keys"] == [7, 8]
+    # Position-table bytes per rank: at most 0.55x of one process for T5, ALiBi and learned.
+    for kind in ("t5", "alibi", "learned"):
+        mem, ref = result[kind]["memory"], result[kind]["ref_memory"]
+        assert 0 < mem["positions"] <= 0.55 * ref["positions"], (kind, mem, ref)
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_zero_with_two_ranks_follows_one_process(tmp_path: Path, stage: int) -> None:
+    out = tmp_path / "zero.json"
+    launch(zero_launch_file(tmp_path, stage), [str(HARNESS), "zero", str(out), "5"], tmp_path)
+    result = json.loads(out.read_text())
+    assert (result["zero_stage"], result["dp_size"]) == (stage, 2)
+    # The parameters really move (about lr = 1e-4 a step), so the comparison can fail.
+    assert result["steps"][-1]["moved"] > 40 * 1e-5
+    for step in result["steps"]:
+        assert step["param_diff"] < 1e-5, step
+        assert relative(step["loss"], step["ref_loss"]) < 1e-5, step
+        assert relative(step["grad_norm"], step["ref_grad_norm"]) < 1e-5, step
+    mem, ref = result["memory"], result["ref_memory"]
+    assert mem["optimizer_state_held"] <= 0.55 * ref["optimizer_state_held"]  # Adam's moments: a half each
+    if stage == 3:  # parameters too, and no duplicate fp32 master copy
+        assert mem["parameters"] + mem["optimizer"] <= 0.55 * (ref["parameters"] + ref["optimizer"]), (mem, ref)
+    if stage >= 2:
+        assert mem["gradients"] <= 0.55 * ref["gradients"]
+
+
+def scalars(run_dir: Path) -> dict[str, list[Any]]:
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def test_accelerate_launch_of_the_demo_with_zero2(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [
+        "-m",
+        "tpe_train.train",
+        "--preset",
+        "demo",
+        "train.max_steps=8",
+        "train.log_every=2",
+        "train.valid_every=4",
+        "train.valid_bleu_size=20",
+        "train.progress=false",
+        "data.synthetic.train_size=1500",
+        "data.synthetic.test_size=60",
+        "data.synthetic.probe_size=20",
+        "data.synthetic.long_size=20",
+        "data.synthetic.valid_size=100",
+        f"train.run_dir={run_dir}",
+    ]
+    proc = launch(ROOT / "configs/accelerate/cpu_zero2.yaml", args, tmp_path)
+    assert proc.stdout.count("tpe-train: demo |") == 1  # only rank 0 prints
+    assert "world 2 = data-parallel 2 x tensor-parallel 1" in proc.stdout
+    assert (run_dir / "checkpoint" / "model.safetensors").exists()
+    ds = json.loads((run_dir / "deepspeed.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 2 and "optimizer" not in ds
+    memory = json.loads((run_dir / "memory.json").read_text())
+    assert [m["rank"] for m in memory] == [0, 1]
+    tags = scalars(run_dir)
+    assert [s for s, _ in tags["train/loss"]] == [2, 4, 6, 8]
+    assert {"valid/nll", "valid/bleu", "test/bleu", "train/tokens_per_s"} <= set(tags)
+    evaluated = json.loads((run_dir / "eval.json").read_text())
+    assert 0.0 <= evaluated["bleu"] <= 100.0
+    # The export is a plain single-device checkpoint that tpe-eval reads.
+    check = subprocess.run(
+        [sys.executable, "-m", "tpe_train.evaluate", "--checkpoint", str(run_dir / "checkpoint"), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "TPE_DATA_CACHE": str(tmp_path / "data")},
+    )
+    assert check.returncode == 0, check.stderr[-3000:]
+    assert abs(json.loads(check.stdout)["bleu"] - evaluated["bleu"]) < 1e-6
+
+
+def test_bf16_with_tensor_parallelism_trains(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    args = [
+        "-m",
+        "tpe_train.train",
+        "model.position.kind=t5",
+        "train.bf16=true",
+        "train.max_steps=40",
+        "train.warmup_steps=10",
+        "train.log_every=5",
+        "train.valid_every=40",
+        "train.valid_bleu_size=0",
+        "train.progress=false",
+        "eval.at_end=false",
+        "data.synthetic.train_size=1500",
+        f"train.run_dir={run_dir}",
+    ]
+    proc = launch(ROOT / "configs/accelerate/cpu_tp2.yaml", args, tmp_path)
+    assert "data-parallel 1 x tensor-parallel 2" in proc.stdout
+    assert json.loads((run_dir / "deepspeed.json").read_text())["bf16"] == {"enabled": True}
+    losses = [v for _, v in scalars(run_dir)["train/loss"]]
+    assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, losses
+    memory = json.loads((run_dir / "memory.json").read_text())
+    # bf16 weights: 2 bytes a parameter, a fp32 master copy in the optimizer
+    assert memory[0]["optimizer"] == 3 * 2 * memory[0]["parameters"]

@@ -1,0 +1,163 @@
+"""Parallel layout in one process: ParallelContext, the DeepSpeed config we generate, refused layouts,
+and the tensor-parallel slicing of the head-wise position tables."""
+
+from __future__ import annotations
+
+import copy
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from tpe_train.config import ConfigError, load_config
+from tpe_train.parallel.context import ParallelContext
+from tpe_train.parallel.deepspeed import deepspeed_config, resolve_layout
+from tpe_train.parallel.plan import PARTITION, position_bytes, shard_positions
+from tpe_train.positions import PositionEncoding
+
+
+def launch_env(
+    monkeypatch: pytest.MonkeyPatch, template: dict | None, tmp_path: Path, world: int = 2
+) -> None:
+    """The environment ``accelerate launch`` gives a process of a DeepSpeed launch file."""
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    if template is None:
+        monkeypatch.delenv("ACCELERATE_USE_DEEPSPEED", raising=False)
+        return
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(template))
+    monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
+    monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+
+
+def test_context_grid() -> None:
+    ranks = [ParallelContext.fake(world_size=8, rank=r, tp_size=2) for r in range(8)]
+    assert [(c.dp_rank, c.tp_rank) for c in ranks[:4]] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert all(c.dp_size == 4 for c in ranks)
+    assert ranks[1].heads(8) == [4, 5, 6, 7] and ranks[2].heads(8) == [0, 1, 2, 3]
+    with pytest.raises(ValueError, match="not a multiple of the tensor-parallel size"):
+        ParallelContext.fake(world_size=3, tp_size=2)
+
+
+def test_generated_deepspeed_config_takes_layout_from_file_and_training_from_ours(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    template = {
+        "zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu"}},
+        "gradient_clipping": "auto",
+        "tensor_parallel": {"autotp_size": 2},
+    }
+    launch_env(monkeypatch, template, tmp_path, world=4)
+    cfg = load_config("demo", ["train.accumulate=3", "train.clip_norm=0.5", "train.bf16=true"])
+    layout = resolve_layout(cfg)
+    assert (layout.tp_size, layout.zero_stage, layout.world_size) == (2, 3, 4)
+    ds = deepspeed_config(cfg, layout)
+    assert ds["zero_optimization"] == template["zero_optimization"]
+    assert ds["gradient_accumulation_steps"] == 3 and ds["gradient_clipping"] == 0.5
+    assert ds["bf16"] == {"enabled": True} and ds["fp16"]["enabled"] is False
+    assert ds["tensor_parallel"] == {"autotp_size": 2, "partition_config": PARTITION}
+    assert "optimizer" not in ds and "scheduler" not in ds
+
+
+@pytest.mark.parametrize(
+    ("template", "message"),
+    [
+        ({"zero_optimization": {"stage": 2}, "optimizer": {"type": "Adam"}}, "'optimizer', which tpe-train"),
+        ({"zero_optimization": {"stage": 2}, "gradient_clipping": 1.0}, "train.clip_norm"),
+        ({"zero_optimization": {"stage": 2}, "bf16": {"enabled": True}}, "train.bf16"),
+        ({"zero_optimization": {"stage": 2}, "gradient_accumulation_steps": 4}, "train.accumulate"),
+    ],
+)
+def test_a_setting_with_two_owners_is_refused(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, template: dict, message: str
+) -> None:
+    launch_env(monkeypatch, template, tmp_path)
+    with pytest.raises(ConfigError, match=message):
+        resolve_layout(load_config("demo", []))
+
+
+@pytest.mark.parametrize(
+    ("overrides", "template", "world", "message"),
+    [
+        (
+            ["model.n_heads=4", "parallel.tp_size=3"],
+            {"zero_optimization": {"stage": 1}},
+            3,
+            "n_heads \\(4\\)",
+        ),
+        (
+            ["model.ffn_dim=510", "parallel.tp_size=4"],
+            {"zero_optimization": {"stage": 1}},
+            4,
+            "ffn_dim \\(510\\)",
+        ),
+        (
+            ["model.position.kind=learned", "model.position.max_positions=257", "parallel.tp_size=2"],
+            {"zero_optimization": {"stage": 1}},
+            2,
+            "max_positions \\(257\\)",
+        ),
+        (["parallel.tp_size=2"], None, 2, "runs through DeepSpeed AutoTP"),
+        (["parallel.tp_size=2"], {"zero_optimization": {"stage": 1}}, 3, "not a multiple"),
+        (
+            ["parallel.tp_size=4"],
+            {"zero_optimization": {}, "tensor_parallel": {"autotp_size": 2}},
+            4,
+            "set one",
+        ),
+        (["train.fp16=true"], {"zero_optimization": {"stage": 2}}, 2, "train.fp16 needs DeepSpeed on GPUs"),
+    ],
+)
+def test_impossible_layouts_are_refused(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    overrides: list[str],
+    template: dict | None,
+    world: int,
+    message: str,
+) -> None:
+    launch_env(monkeypatch, template, tmp_path, world)
+    with pytest.raises(ConfigError, match=message):
+        resolve_layout(load_config("demo", overrides))
+
+
+def test_impossible_layout_stops_the_trainer_before_any_work(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpe_train.train", "parallel.tp_size=2", f"train.run_dir={run_dir}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "impossible parallel layout" in proc.stderr and "Traceback" not in proc.stderr
+    assert not run_dir.exists()  # nothing written
+
+
+@pytest.mark.parametrize("kind", ["t5", "alibi"])
+def test_head_tables_are_sliced_by_rank(kind: str) -> None:
+    """Each of two TP ranks stores half the table and builds the rows of its own global heads."""
+    full = tiny_model(kind)
+    q, pos = torch.randn(1, 4, 5, 8), torch.arange(5)
+    expected = full.encoder.pos(0).attn_bias(q, pos, pos)
+    parts = []
+    for rank in range(2):
+        model = copy.deepcopy(full)
+        shard_positions(model, ParallelContext.fake(world_size=2, rank=rank, tp_size=2))
+        enc = model.encoder.pos(0)
+        parts.append(enc.attn_bias(q[:, enc.heads], pos, pos))
+        assert position_bytes(model) == position_bytes(full) // 2
+    assert expected is not None
+    torch.testing.assert_close(torch.cat(parts, dim=1), expected)  # type: ignore[arg-type]
+
+
+def test_every_encoding_declares_how_tensor_parallelism_treats_it() -> None:
+    from tpe_train.positions import POSITIONS
+
+    for name in POSITIONS.names():
+        assert POSITIONS.get(name).tp_split in ("heads", "positions", "replicated"), name
+    assert issubclass(POSITIONS.get("t5"), PositionEncoding)

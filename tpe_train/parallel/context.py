@@ -1,0 +1,111 @@
+"""``ParallelContext``: who this process is in the data- and tensor-parallel layout, in one object.
+
+Built once, from the launcher's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, which
+``accelerate launch`` and torchrun set) and the tensor-parallel size, then passed explicitly to
+whatever needs it; nothing reads ranks from module globals. Ranks are laid out as a (dp, tp) grid,
+``rank = dp_rank * tp_size + tp_rank``: the ranks of one tensor-parallel group are neighbours (one
+node, fast links) and see the same batches. This is DeepSpeed's own layout, and when DeepSpeed runs
+the groups are taken from it so that both sides use the very same process groups.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelContext:
+    """World, data-parallel and tensor-parallel sizes, ranks and process groups of one process."""
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+    tp_size: int = 1
+    tp_group: Any = None  # torch ProcessGroup of this rank's tensor-parallel group (None: tp_size 1)
+    dp_group: Any = None  # torch ProcessGroup of this rank's data-parallel group (None: whole world)
+
+    def __post_init__(self) -> None:
+        if self.tp_size < 1 or self.world_size % self.tp_size:
+            raise ValueError(
+                f"the world size ({self.world_size} processes) is not a multiple of the tensor-parallel "
+                f"size ({self.tp_size}); launch a multiple of parallel.tp_size processes"
+            )
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp_size
+
+    @property
+    def dp_rank(self) -> int:
+        return self.rank // self.tp_size
+
+    @property
+    def tp_rank(self) -> int:
+        return self.rank % self.tp_size
+
+    @property
+    def is_main(self) -> bool:
+        """The one process that prints, logs and writes shared files."""
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1
+
+    def heads(self, n_heads: int) -> list[int]:
+        """Global indices of the attention heads this rank owns (a contiguous block)."""
+        per_rank = n_heads // self.tp_size
+        return list(range(self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank))
+
+    def describe(self) -> str:
+        return (
+            f"world {self.world_size} = data-parallel {self.dp_size} x tensor-parallel {self.tp_size}; "
+            f"rank {self.rank} (dp {self.dp_rank}, tp {self.tp_rank})"
+        )
+
+    @classmethod
+    def fake(cls, *, world_size: int = 1, rank: int = 0, tp_size: int = 1) -> ParallelContext:
+        """A context without process groups, for sharding logic tested in one process."""
+        return cls(world_size=world_size, rank=rank, local_rank=rank, tp_size=tp_size)
+
+    @classmethod
+    def from_env(cls, tp_size: int = 1, *, deepspeed: bool = False) -> ParallelContext:
+        """The context of a launched process. Initialises ``torch.distributed`` (gloo on CPU, nccl on
+        GPUs) when the launcher started more than one process, and the tensor/data-parallel groups."""
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        rank = int(os.environ.get("RANK", "0"))
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        probe = cls(world_size=world, rank=rank, local_rank=local, tp_size=tp_size)  # validates sizes
+        if world == 1 and not deepspeed:
+            return probe
+        if deepspeed:
+            import deepspeed as ds  # heavy import, only when DeepSpeed runs
+
+            ds.init_distributed(dist_backend=_backend(), verbose=False)
+        elif not dist.is_initialized():
+            dist.init_process_group(backend=_backend())
+        if tp_size == 1:
+            return probe
+        if not deepspeed:
+            raise ValueError(
+                "tensor parallelism runs through DeepSpeed's AutoTP: launch with a DeepSpeed file"
+            )
+        from deepspeed.utils import groups
+
+        groups._init_tp_mesh_device(tensor_model_parallel_size=tp_size)  # idempotent; the engine reuses it
+        tp_group = groups.get_tensor_model_parallel_group()
+        dp_group = groups._DATA_PARALLEL_GROUP  # the mesh's; _get_data_parallel_group() may be the world
+        ctx = cls(world, rank, local, tp_size, tp_group, dp_group)
+        sizes = (dist.get_world_size(tp_group), dist.get_world_size(dp_group))
+        assert sizes == (tp_size, ctx.dp_size), f"DeepSpeed's tp/dp groups have sizes {sizes}"
+        return ctx
+
+
+def _backend() -> str:
+    import torch
+
+    return "nccl" if torch.cuda.is_available() else "gloo"

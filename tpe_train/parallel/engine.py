@@ -1,0 +1,170 @@
+"""One training engine for every layout: one process, plain data parallelism, or DeepSpeed (ZeRO 0-3,
+offload, AutoTP), all prepared by accelerate.
+
+The loop sees four verbs: ``forward``, ``backward`` (per micro-batch), ``step`` (returns the gradient
+norm) and ``consolidated`` (the single-device weights, for export and evaluation). Under DeepSpeed
+the engine clips and steps inside the last ``backward`` of an optimizer step, as accelerate drives
+it; under plain torch, ``step`` clips and steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from tpe_train.parallel.context import ParallelContext
+from tpe_train.parallel.plan import full_state_dict
+
+
+class Engine:
+    """The prepared model, optimizer and schedule of one rank."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        scheduler: Any,
+        ctx: ParallelContext,
+        *,
+        accumulate: int,
+        clip_norm: float,
+        deepspeed: dict[str, Any] | None,
+    ) -> None:
+        self.ctx, self.accumulate, self.clip_norm = ctx, accumulate, clip_norm
+        self.uses_deepspeed = deepspeed is not None
+        self._micro = 0
+        self.accelerator: Any = None
+        self.model: Any  # nn.Module, DistributedDataParallel or a DeepSpeed engine
+        if deepspeed is None and not ctx.distributed:
+            # One process: no wrapper at all (accelerate would only add a no-op layer).
+            self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+            return
+        from accelerate import Accelerator
+        from accelerate.utils import DeepSpeedPlugin
+
+        plugin = DeepSpeedPlugin(hf_ds_config=deepspeed) if deepspeed is not None else None
+        self.accelerator = Accelerator(
+            deepspeed_plugin=plugin,
+            gradient_accumulation_steps=accumulate,
+            mixed_precision="no",  # bf16: autocast in the loop, or DeepSpeed's own bf16 weights
+            step_scheduler_with_optimizer=False,
+        )
+        self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
+        if deepspeed is not None and int(deepspeed.get("zero_optimization", {}).get("stage", 0)) == 3:
+            _register_external(self.module)
+        if deepspeed is not None:
+            share_fp32_master(self.optimizer)
+
+    @property
+    def module(self) -> nn.Module:
+        """The model without wrappers (its parameters may be sharded)."""
+        if self.accelerator is None:
+            return self.model
+        return self.accelerator.unwrap_model(self.model)
+
+    @property
+    def zero3(self) -> bool:
+        return self.uses_deepspeed and self.model.zero_optimization_stage() == 3
+
+    def forward(self, *args: Tensor) -> Tensor:
+        return self.model(*args)
+
+    def backward(self, loss: Tensor) -> None:
+        """Backward of one micro-batch. ``loss`` is already normalised for the whole optimizer step
+        (see ``train.step_loss_scale``); accelerate and DeepSpeed divide it by ``accumulate`` again,
+        which the caller compensates."""
+        self._micro += 1
+        if self.accelerator is None:
+            (loss / self.accumulate).backward()
+            return
+        with self.accelerator.accumulate(self.model):
+            self.accelerator.backward(loss)
+
+    def step(self) -> float:
+        """Finish the optimizer step after ``accumulate`` backward calls; returns the gradient norm
+        (before clipping) over all ranks."""
+        assert self._micro == self.accumulate, f"{self._micro} backward calls, expected {self.accumulate}"
+        self._micro = 0
+        if self.uses_deepspeed:  # DeepSpeed clipped, stepped and zeroed in the last backward
+            self.scheduler.step()
+            norm = self.model.get_global_grad_norm()
+            return float(norm) if norm is not None else float("nan")
+        max_norm = self.clip_norm or float("inf")
+        if self.accelerator is None:
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
+        else:
+            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return float(norm)
+
+    def lr(self) -> float:
+        return float(self.scheduler.get_last_lr()[0])
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[nn.Module]:
+        """The model with every parameter present on this rank (ZeRO-3 gathers them for the block;
+        tensor-parallel shards stay sharded: all ranks of a TP group must run the block together)."""
+        module = self.module
+        if self.zero3:
+            import deepspeed
+
+            with deepspeed.zero.GatheredParameters(list(module.parameters())):
+                yield module
+        else:
+            yield module
+
+    def consolidated(self) -> dict[str, Tensor]:
+        """fp32 weights of the single-device model (collective: every rank must call it)."""
+        with self.gathered() as module:
+            return full_state_dict(module, self.ctx)
+
+
+def share_fp32_master(optimizer: Any) -> int:
+    """In fp32 training, let ZeRO's fp32 master partition be the parameter partition itself.
+
+    ZeRO keeps a flat fp32 copy of each rank's partition for the optimizer to update, then copies it
+    into the (bf16/fp16) model weights. When the weights are fp32 already, that copy holds the same
+    numbers: a third more parameter + optimizer memory for nothing. ZeRO-3 shares the storage itself
+    in that case but misses it when its device names differ (``"cpu"`` against ``cpu``), and ZeRO-1/2
+    never do. Here the master partition takes the weight partition's storage (same dtype and device,
+    no offload): the optimizer then updates the weights in place and DeepSpeed's copy back becomes a
+    copy onto itself. The trajectory tests check that results are unchanged. Returns the bytes saved.
+    """
+    zero = getattr(optimizer, "optimizer", optimizer)
+    pairs: list[tuple[Tensor, Tensor]] = []
+    if hasattr(zero, "fp32_partitioned_groups_flat") and not getattr(zero, "offload_optimizer", True):
+        pairs = list(zip(zero.fp32_partitioned_groups_flat, zero.fp16_partitioned_groups_flat, strict=True))
+    elif hasattr(zero, "single_partition_of_fp32_groups") and not getattr(zero, "cpu_offload", True):
+        import torch.distributed as dist
+
+        for i, master in enumerate(zero.single_partition_of_fp32_groups):
+            rank = dist.get_rank(group=zero.real_dp_process_group[i])
+            pairs.append((master, zero.parallel_partitioned_bit16_groups[i][rank]))
+    saved = 0
+    for master, weights in pairs:
+        same_kind = (master.dtype, master.device, master.shape) == (
+            weights.dtype,
+            weights.device,
+            weights.shape,
+        )
+        if same_kind and master.data_ptr() != weights.data_ptr():
+            saved += master.numel() * master.element_size()
+            master.data = weights.data
+    return saved
+
+
+def _register_external(module: nn.Module) -> None:
+    """ZeRO-3 gathers a module's parameters when that module's forward runs. The shared embedding is
+    also the output layer, and the position tables are read inside attention: both are used outside
+    their owner's forward, so they are registered with the root module, whose forward spans them."""
+    import deepspeed
+
+    for name, param in module.named_parameters():
+        if name == "embed.weight" or ".positions." in name or "cross_positions." in name:
+            deepspeed.zero.register_external_parameter(module, param)
