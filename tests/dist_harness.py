@@ -23,7 +23,7 @@ import torch
 from tpe_train.config import Config, load_config
 from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
 from tpe_train.parallel.context import ParallelContext
-from tpe_train.parallel.deepspeed import deepspeed_config, resolve_layout
+from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layout
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report, optimizer_state_bytes
 from tpe_train.parallel.plan import shard_positions
@@ -32,7 +32,7 @@ from tpe_train.train import train_step
 VOCAB = 64
 
 
-def config(kind: str, accumulate: int = 1) -> Config:
+def config(kind: str, accumulate: int = 1, dropout: float = 0.0) -> Config:
     return load_config(
         "demo",
         [
@@ -42,7 +42,7 @@ def config(kind: str, accumulate: int = 1) -> Config:
             "model.ffn_dim=64",
             "model.encoder_layers=2",
             "model.decoder_layers=2",
-            "model.dropout=0.0",
+            f"model.dropout={dropout}",
             "model.position.max_positions=64",
             "model.position.shaw_clip=3",
             "model.position.shaw_values=true",
@@ -109,18 +109,23 @@ def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[Any]:
 def tp_check(kinds: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     ctx = None
-    for kind in kinds:
-        cfg = config(kind)
+    # "+dropout": residual dropout 0.1, applied to activations every TP rank holds whole. The ranks
+    # share one RNG stream, so they draw the same masks, which are also the single process's masks.
+    for name in [*kinds, "sinusoidal+dropout"]:
+        kind = name.split("+")[0]
+        cfg = config(kind, dropout=0.1 if name.endswith("+dropout") else 0.0)
         layout = resolve_layout(cfg)
         ctx = ctx or ParallelContext.from_env(layout.tp_size, deepspeed=True)
         b = batch(1)
         sharded = engine_for(cfg, ctx, deepspeed_config(cfg, layout))
+        torch.manual_seed(1)
         stats = train_step(sharded, [b], cfg, ctx, cast=False)
         after = sharded.consolidated()
         plain = engine_for(cfg, ParallelContext.fake(), None)
+        torch.manual_seed(1)
         ref = train_step(plain, [b], cfg, ParallelContext.fake(), cast=False)
-        out[kind] = {
-            "memory": memory(sharded, ctx, layout.zero_stage),
+        out[name] = {
+            "memory": memory(sharded, ctx, layout),
             "ref_memory": memory(plain, ParallelContext.fake(), None),
             "tp_size": ctx.tp_size,
             "loss": stats["loss"],
@@ -162,14 +167,14 @@ def zero_check(steps: int) -> dict[str, Any]:
         "dp_size": ctx.dp_size,
         "zero_stage": layout.zero_stage,
         "steps": rows,
-        "memory": memory(sharded, ctx, layout.zero_stage),
+        "memory": memory(sharded, ctx, layout),
         "ref_memory": memory(plain, ParallelContext.fake(), None),
     }
 
 
-def memory(engine: Engine, ctx: ParallelContext, stage: int | None) -> dict[str, Any]:
+def memory(engine: Engine, ctx: ParallelContext, layout: Layout | None) -> dict[str, Any]:
     """The start-up report and, after the steps, the optimizer state bytes really held."""
-    report = memory_report(engine.module, engine.optimizer, ctx.rank, stage, offload=False).as_dict()
+    report = memory_report(engine.module, engine.optimizer, ctx.rank, layout).as_dict()
     report["optimizer_state_held"] = optimizer_state_bytes(engine.optimizer)
     return report
 

@@ -19,8 +19,15 @@ ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "dist_harness.py"
 
 
-def launch(config_file: Path, args: list[str], tmp_path: Path, timeout: int = 600) -> subprocess.CompletedProcess:
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "TPE_DATA_CACHE": str(tmp_path / "data")}
+def launch(
+    config_file: Path, args: list[str], tmp_path: Path, timeout: int = 600
+) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "DS_ACCELERATOR": "cpu",
+        "OMP_NUM_THREADS": "1",
+        "TPE_DATA_CACHE": str(tmp_path / "data"),
+    }
     cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config_file), *args]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
@@ -31,7 +38,9 @@ def zero_launch_file(tmp_path: Path, stage: int) -> Path:
     """A 2-process CPU launch file whose DeepSpeed file asks for ZeRO ``stage``; every parameter is
     partitioned under ZeRO-3 (no persistence threshold), so the test covers the gathering paths."""
     ds = tmp_path / f"zero{stage}.json"
-    ds.write_text(json.dumps({"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}}))
+    ds.write_text(
+        json.dumps({"zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0}})
+    )
     text = (ROOT / "configs/accelerate/cpu_zero2.yaml").read_text()
     out = tmp_path / f"zero{stage}.yaml"
     out.write_text(text.replace("configs/deepspeed/zero2.json", str(ds)))
@@ -47,12 +56,15 @@ def test_tensor_parallel_2_equals_1_for_every_encoding(tmp_path: Path) -> None:
     kinds = POSITIONS.names()
     launch(ROOT / "configs/accelerate/cpu_tp2.yaml", [str(HARNESS), "tp", str(out), *kinds], tmp_path)
     result = json.loads(out.read_text())
-    assert sorted(result) == sorted(kinds)
+    assert sorted(result) == sorted([*kinds, "sinusoidal+dropout"])
     for kind, r in result.items():
         assert r["tp_size"] == 2
         assert relative(r["loss"], r["ref_loss"]) < 1e-5, (kind, r)
         assert relative(r["grad_norm"], r["ref_grad_norm"]) < 1e-5, (kind, r)
         assert r["param_diff"] < 1e-5, (kind, r["worst"])  # after the optimizer step, shards gathered
+    # With dropout the loss differs from the dropout-free run, yet TP=2 still equals one process:
+    # the dropout masks on replicated activations agree across the tensor-parallel ranks.
+    assert relative(result["sinusoidal+dropout"]["loss"], result["sinusoidal"]["loss"]) > 1e-3
     # Each rank holds only its heads' T5 columns and half the learned table's rows ...
     assert result["t5"]["position_params"]["encoder.positions.0.table.weight"] == [8, 2]
     assert result["learned"]["position_params"]["encoder.positions.0.table.weight"] == [32, 32]
@@ -79,7 +91,10 @@ def test_zero_with_two_ranks_follows_one_process(tmp_path: Path, stage: int) -> 
     mem, ref = result["memory"], result["ref_memory"]
     assert mem["optimizer_state_held"] <= 0.55 * ref["optimizer_state_held"]  # Adam's moments: a half each
     if stage == 3:  # parameters too, and no duplicate fp32 master copy
-        assert mem["parameters"] + mem["optimizer"] <= 0.55 * (ref["parameters"] + ref["optimizer"]), (mem, ref)
+        assert mem["parameters"] + mem["optimizer"] <= 0.55 * (ref["parameters"] + ref["optimizer"]), (
+            mem,
+            ref,
+        )
     if stage >= 2:
         assert mem["gradients"] <= 0.55 * ref["gradients"]
 

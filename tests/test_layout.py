@@ -33,6 +33,18 @@ def test_model_and_positions_import_only_torch_and_each_other() -> None:
                     )
 
 
+def test_parallel_never_imports_model_and_model_never_imports_parallel() -> None:
+    for path in (PKG / "parallel").glob("*.py"):
+        assert not any(n.startswith("tpe_train.model") for n in imports(path)), path
+    for folder in ("model", "positions", "data"):
+        for path in (PKG / folder).glob("*.py"):
+            found = imports(path)
+            assert not any(n.startswith(("tpe_train.parallel", "deepspeed", "accelerate")) for n in found), (
+                path
+            )
+            assert "torch.distributed" not in found, path
+
+
 def test_nothing_imports_train() -> None:
     for path in PKG.rglob("*.py"):
         if path.name != "train.py":

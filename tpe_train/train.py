@@ -67,15 +67,6 @@ def batch_loss(model: Any, batch: Batch, cfg: Config, cast: bool) -> tuple[torch
     return loss, nll, int(ntok)
 
 
-def dp_sum(values: list[float], ctx: ParallelContext) -> list[float]:
-    """Sum over the data-parallel ranks (tensor-parallel ranks hold the same numbers)."""
-    if not ctx.distributed:
-        return values
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t, group=ctx.dp_group)
-    return t.tolist()
-
-
 def train_step(
     engine: Engine, micro: list[Batch], cfg: Config, ctx: ParallelContext, cast: bool
 ) -> dict[str, float]:
@@ -86,7 +77,7 @@ def train_step(
     same 2k batches. The token count is summed over ranks first; each backward then multiplies by
     ``accumulate * dp_size``, which undoes the averaging that accelerate/DeepSpeed apply over
     accumulation steps and data-parallel ranks."""
-    ntok = dp_sum([float(sum(b.target_tokens for b in micro))], ctx)[0]
+    ntok = ctx.dp_sum([float(sum(b.target_tokens for b in micro))])[0]
     scale = cfg.train.accumulate * ctx.dp_size / ntok
     loss_sum, nll_sum = 0.0, 0.0
     for batch in micro:
@@ -94,7 +85,7 @@ def train_step(
         engine.backward(loss * scale)
         loss_sum, nll_sum = loss_sum + float(loss.detach()), nll_sum + float(nll)
     grad_norm = engine.step()
-    loss_sum, nll_sum = dp_sum([loss_sum, nll_sum], ctx)
+    loss_sum, nll_sum = ctx.dp_sum([loss_sum, nll_sum])
     return {"loss": loss_sum / ntok, "nll": nll_sum / ntok, "grad_norm": grad_norm, "tokens": ntok}
 
 
@@ -111,7 +102,7 @@ def validate(engine: Engine, data: Any, cfg: Config, ctx: ParallelContext, cast:
         for idx in batches[ctx.dp_rank :: ctx.dp_size]:
             _, nll, ntok = batch_loss(model, collate(data.valid, idx), cfg, cast)
             nll_sum, ntok_sum = nll_sum + float(nll), ntok_sum + ntok
-        nll_sum, ntok_sum = dp_sum([nll_sum, ntok_sum], ctx)
+        nll_sum, ntok_sum = ctx.dp_sum([nll_sum, ntok_sum])
         out = {"valid/nll": nll_sum / ntok_sum, "valid/ppl": math.exp(min(nll_sum / ntok_sum, 50.0))}
         n = cfg.train.valid_bleu_size
         if n:
@@ -180,8 +171,7 @@ def run(cfg: Config) -> dict[str, Any]:
         deepspeed=ds_config,
     )
     cast = cfg.train.bf16 and ds_config is None  # DeepSpeed holds bf16 weights itself
-    report = memory_report(engine.module, engine.optimizer, ctx.rank, layout.zero_stage, _offload(ds_config))
-    reports = _gather_objects(report, ctx)
+    reports = ctx.gather(memory_report(engine.module, engine.optimizer, ctx.rank, layout))
     batches = batch_stream(data, cfg.data, cfg.train.seed, ctx.dp_rank, ctx.dp_size)
     writer = SummaryWriter(str(run_dir / "tb")) if ctx.is_main else None
     if ctx.is_main:
@@ -248,19 +238,6 @@ def _log(writer: SummaryWriter | None, scalars: dict[str, float], step: int) -> 
     if writer is not None:
         for name, value in scalars.items():
             writer.add_scalar(name, value, step)
-
-
-def _offload(ds_config: dict[str, Any] | None) -> bool:
-    zero = (ds_config or {}).get("zero_optimization", {})
-    return zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
-
-
-def _gather_objects(obj: Any, ctx: ParallelContext) -> list[Any]:
-    if not ctx.distributed:
-        return [obj]
-    out: list[Any] = [None] * ctx.world_size
-    dist.all_gather_object(out, obj)
-    return out
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 
@@ -61,6 +62,22 @@ class ParallelContext:
         per_rank = n_heads // self.tp_size
         return list(range(self.tp_rank * per_rank, (self.tp_rank + 1) * per_rank))
 
+    def dp_sum(self, values: list[float]) -> list[float]:
+        """Sum over the data-parallel ranks (tensor-parallel ranks hold the same numbers)."""
+        if not self.distributed:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=self.dp_group)
+        return [float(v) for v in t.tolist()]
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order, on every rank."""
+        if not self.distributed:
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
     def describe(self) -> str:
         return (
             f"world {self.world_size} = data-parallel {self.dp_size} x tensor-parallel {self.tp_size}; "
@@ -106,6 +123,4 @@ class ParallelContext:
 
 
 def _backend() -> str:
-    import torch
-
     return "nccl" if torch.cuda.is_available() else "gloo"

@@ -51,6 +51,12 @@ class Layout:
             return None
         return int(self.deepspeed.get("zero_optimization", {}).get("stage", 0))
 
+    @property
+    def offload(self) -> bool:
+        """Optimizer state kept in host memory (ZeRO offload)."""
+        zero = (self.deepspeed or {}).get("zero_optimization", {})
+        return zero.get("offload_optimizer", {}).get("device", "none") not in ("none", None)
+
 
 def launch_template() -> tuple[dict[str, Any] | None, str]:
     """The DeepSpeed template of this launch, from the environment ``accelerate launch`` sets."""

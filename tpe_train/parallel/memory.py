@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tpe_train.parallel.deepspeed import Layout
 from tpe_train.parallel.plan import _local_numel, position_bytes
 
 ADAM_MOMENTS = 2
@@ -58,9 +59,10 @@ def _basic_optimizer(optimizer: Any) -> torch.optim.Optimizer:
     return optimizer
 
 
-def memory_report(
-    model: nn.Module, optimizer: Any, rank: int, zero_stage: int | None, offload: bool
-) -> MemoryReport:
+def memory_report(model: nn.Module, optimizer: Any, rank: int, layout: Layout | None) -> MemoryReport:
+    """What rank ``rank`` holds once ``accelerate.prepare`` has laid the model out (``layout``: the
+    launch's layout; None for one plain process)."""
+    zero_stage = layout.zero_stage if layout is not None else None
     params = list(model.parameters())
     param_bytes = sum(_local_numel(p) * p.element_size() for p in params)
     updated = _updated_tensors(optimizer)
@@ -78,7 +80,7 @@ def memory_report(
         gradients=grad_bytes,
         optimizer=master + ADAM_MOMENTS * updated_bytes,
         positions=position_bytes(model),
-        offloaded=offload,
+        offloaded=layout.offload if layout is not None else False,
     )
 
 
