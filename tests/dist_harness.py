@@ -27,7 +27,7 @@ from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layou
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report, optimizer_state_bytes
 from tpe_train.parallel.plan import shard_positions
-from tpe_train.train import train_step
+from tpe_train.step import train_step
 
 VOCAB = 64
 

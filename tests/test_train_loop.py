@@ -9,7 +9,7 @@ from tpe_train.config import load_config
 from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
-from tpe_train.train import inverse_sqrt, train_step
+from tpe_train.step import inverse_sqrt, train_step
 
 
 def batch(rows: list[list[int]]) -> Batch:

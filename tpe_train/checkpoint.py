@@ -16,6 +16,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
+from tpe_train.ckpt_store import sha256
 from tpe_train.config import Config, ConfigError, validate
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.data.tokenizer import load_tokenizer, vocab_hash
@@ -48,6 +49,7 @@ def save_export(directory: Path, model: Transformer, cfg: Config, tok: Tokenizer
         "step": step,
         "vocab_hash": vocab_hash(tok),
         "parameters": sum(v.numel() for v in state.values()),
+        "sha256": {name: sha256(tmp / name) for name in (WEIGHTS, CONFIG, TOKENIZER)},
     }
     (tmp / META).write_text(json.dumps(meta, indent=2))
     old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
@@ -79,6 +81,13 @@ def load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
             raise ValueError(
                 f"{directory / TOKENIZER} does not match the vocabulary the weights were trained "
                 "with (hash differs); restore the checkpoint's own tokenizer.json"
+            )
+    hashes = json.loads(meta_path.read_text()).get("sha256", {}) if meta_path.is_file() else {}
+    for name, expected_hash in hashes.items():
+        if sha256(directory / name) != expected_hash:
+            raise ValueError(
+                f"{directory / name} does not match the hash recorded in {meta_path} when it was written: "
+                "the file was modified or corrupted; export the checkpoint again (tpe-ckpt export)"
             )
     model = build_model(cfg, tok)
     state = load_file(str(directory / WEIGHTS))

@@ -314,6 +314,16 @@ class TrainConfig(Section):
     """Validation sentences translated (greedy) for BLEU during training; 0: skip."""
     progress: bool = True
     """Show a progress bar on the terminal."""
+    save_every: int = Field(1000, ge=0)
+    """Steps between checkpoints in <run_dir>/checkpoints (0: only at the end); also on preemption."""
+    keep_last: int = Field(5, ge=1)
+    """Complete checkpoints kept (the newest ones; keep at least as many as you will average)."""
+    keep_every: int = Field(0, ge=0)
+    """Also keep every checkpoint whose step is a multiple of this (0: none)."""
+    resume: str = "auto"
+    """auto: continue from the run directory's latest complete checkpoint; never; or a checkpoint path."""
+    log_samples: bool = False
+    """Write the pair ids of every training batch to <run_dir>/samples/rank-<r>.jsonl (audits resume)."""
 
 
 class ParallelConfig(Section):

@@ -1,125 +1,63 @@
 """The training loop, top to bottom: ``tpe-train [--preset P] [key=value ...]``.
 
-config -> data (corpus, joint BPE, token batches) -> model -> Adam + inverse-sqrt schedule ->
-loop (forward, label-smoothed CE, backward, clip, step, log, validate) -> checkpoint -> evaluate.
+config + launch layout -> data (corpus, joint BPE, token batches of this rank) -> model (position tables
+sharded for tensor parallelism) -> AdamW + inverse-sqrt schedule -> engine (one process, DDP or
+DeepSpeed) -> resume from the latest complete checkpoint -> loop (forward, label-smoothed CE, backward,
+clip, step, log, validate, checkpoint; a preemption signal saves and exits) -> export -> evaluate.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import math
 import os
-import random
+import signal
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
+from tpe_train import snapshot
 from tpe_train.checkpoint import build_model, parameter_count, save_export
+from tpe_train.ckpt_store import CheckpointError, latest_complete
 from tpe_train.config import Config, ConfigError, load_config
-from tpe_train.data.batching import PAD_ID, Batch, BatchIterator, collate, length_arrays
-from tpe_train.data.corpus import batch_stream, pairs_of, prepare
+from tpe_train.data.corpus import Prepared, TrainBatches, prepare
 from tpe_train.data.sources import CorpusError
-from tpe_train.evaluate import bleu_score, evaluate, format_table, translate
-from tpe_train.model.loss import label_smoothed_loss
-from tpe_train.model.transformer import Transformer
+from tpe_train.evaluate import evaluate, format_table
 from tpe_train.parallel.context import ParallelContext
-from tpe_train.parallel.deepspeed import deepspeed_config, resolve_layout
+from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layout
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report
 from tpe_train.parallel.plan import shard_positions
+from tpe_train.step import inverse_sqrt, seed_everything, train_step, validate
+
+#: Exit status after a preemption signal (SIGTERM, SIGUSR1): the checkpoint is saved, requeue the job.
+EXIT_PREEMPTED = 75
 
 
-def inverse_sqrt(warmup: int) -> Any:
-    """Multiplier of the peak lr: linear warmup, then sqrt(warmup / step) (Vaswani et al. 2017)."""
-
-    def factor(step: int) -> float:
-        step = max(step, 1)
-        if warmup and step < warmup:
-            return step / warmup
-        return math.sqrt(max(warmup, 1) / step)
-
-    return factor
+class Preempted(Exception):
+    """Raised after the checkpoint of a preempted run is complete."""
 
 
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+class Signals:
+    """SIGTERM / SIGUSR1 only raise a flag; the loop saves at the end of the current step. A second
+    signal while saving raises the flag again and changes nothing."""
+
+    def __init__(self) -> None:
+        self.received: int | None = None
+        for sig in (signal.SIGTERM, signal.SIGUSR1):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = signum
 
 
-def autocast(enabled: bool) -> contextlib.AbstractContextManager[Any]:
-    return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
-
-
-def batch_loss(model: Any, batch: Batch, cfg: Config, cast: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(summed smoothed loss, summed nll, target tokens) of one batch; ``cast``: bf16 autocast."""
-    with autocast(cast):
-        logits = model(batch.src, batch.tgt_in)
-    loss, nll, ntok = label_smoothed_loss(logits, batch.tgt_out, PAD_ID, cfg.train.label_smoothing)
-    return loss, nll, int(ntok)
-
-
-def train_step(
-    engine: Engine, micro: list[Batch], cfg: Config, ctx: ParallelContext, cast: bool
-) -> dict[str, float]:
-    """One optimizer step over ``train.accumulate`` batches on every data-parallel rank.
-
-    The gradient is that of the summed loss over all target tokens of the step on all ranks, divided
-    by their count, so that 2 ranks x k batches give exactly the gradient of one process holding the
-    same 2k batches. The token count is summed over ranks first; each backward then multiplies by
-    ``accumulate * dp_size``, which undoes the averaging that accelerate/DeepSpeed apply over
-    accumulation steps and data-parallel ranks."""
-    ntok = ctx.dp_sum([float(sum(b.target_tokens for b in micro))])[0]
-    scale = cfg.train.accumulate * ctx.dp_size / ntok
-    loss_sum, nll_sum = 0.0, 0.0
-    for batch in micro:
-        loss, nll, _ = batch_loss(engine.forward, batch, cfg, cast)
-        engine.backward(loss * scale)
-        loss_sum, nll_sum = loss_sum + float(loss.detach()), nll_sum + float(nll)
-    grad_norm = engine.step()
-    loss_sum, nll_sum = ctx.dp_sum([loss_sum, nll_sum])
-    return {"loss": loss_sum / ntok, "nll": nll_sum / ntok, "grad_norm": grad_norm, "tokens": ntok}
-
-
-@torch.no_grad()
-def validate(engine: Engine, data: Any, cfg: Config, ctx: ParallelContext, cast: bool) -> dict[str, float]:
-    """Validation loss (nll per token, batches split over data-parallel ranks) and greedy BLEU on the
-    first ``valid_bleu_size`` pairs (every rank decodes them: tensor-parallel ranks must run together)."""
-    with engine.gathered() as module:
-        model = cast_model(module)
-        model.eval()
-        src_len, tgt_len = length_arrays(data.valid)
-        batches = BatchIterator(src_len, tgt_len, cfg.data.max_tokens, seed=0).batches
-        nll_sum, ntok_sum = 0.0, 0.0
-        for idx in batches[ctx.dp_rank :: ctx.dp_size]:
-            _, nll, ntok = batch_loss(model, collate(data.valid, idx), cfg, cast)
-            nll_sum, ntok_sum = nll_sum + float(nll), ntok_sum + ntok
-        nll_sum, ntok_sum = ctx.dp_sum([nll_sum, ntok_sum])
-        out = {"valid/nll": nll_sum / ntok_sum, "valid/ppl": math.exp(min(nll_sum / ntok_sum, 50.0))}
-        n = cfg.train.valid_bleu_size
-        if n:
-            pairs = pairs_of(data.splits.valid, n)
-            hyps = translate(model, data.tokenizer, [s for s, _ in pairs], cfg.eval, beam=1)
-            refs = [t for _, t in pairs]
-            out["valid/bleu"] = bleu_score([h or "" for h in hyps], refs, data.splits.pretokenized)[0]
-        model.train()
-    return out
-
-
-def cast_model(module: torch.nn.Module) -> Transformer:
-    assert isinstance(module, Transformer)
-    return module
-
-
-def prepare_data(cfg: Config, ctx: ParallelContext) -> Any:
+def prepare_data(cfg: Config, ctx: ParallelContext) -> Prepared:
     """The token store, built by rank 0 while the others wait, then read by all (memory-mapped)."""
     if ctx.distributed and not ctx.is_main:
         dist.barrier()
@@ -129,39 +67,24 @@ def prepare_data(cfg: Config, ctx: ParallelContext) -> Any:
     return data
 
 
-def run(cfg: Config) -> dict[str, Any]:
-    """Train (and evaluate) one run on this process's share of the launch; returns the final figures."""
-    layout = resolve_layout(cfg)  # an impossible layout stops here, before any work
-    ctx = ParallelContext.from_env(layout.tp_size, deepspeed=layout.deepspeed is not None)
-    seed_everything(cfg.train.seed)
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    run_dir = cfg.run_dir()
-    ds_config = deepspeed_config(cfg, layout) if layout.deepspeed is not None else None
-    if ctx.is_main:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())  # resolved config, before step 1
-        if ds_config is not None:
-            (run_dir / "deepspeed.json").write_text(json.dumps(ds_config, indent=2))
-
-    data = prepare_data(cfg, ctx)
-    model = build_model(cfg, data.tokenizer)  # the same initial weights on every rank (same seed)
+def build_engine(cfg: Config, data: Prepared, ctx: ParallelContext, layout: Layout) -> Engine:
+    """Model (same initial weights on every rank), position shards, optimizer, schedule, engine."""
+    model = build_model(cfg, data.tokenizer)
     shard_positions(model, ctx)
     model.train()
     if ctx.dp_size > 1:
         torch.manual_seed(cfg.train.seed + 7919 * ctx.dp_rank)  # dropout: one stream per data-parallel rank
+    ds_config = deepspeed_config(cfg, layout) if layout.deepspeed is not None else None
     optimizer = torch.optim.AdamW(
         model.parameters(),
         lr=cfg.train.lr,
         betas=cfg.train.adam_betas,
         eps=cfg.train.adam_eps,
         weight_decay=cfg.train.weight_decay,
-        # one kernel over all parameters instead of a dozen ops per tensor; DeepSpeed's flat fp32
-        # partitions take the plain path
-        fused=ds_config is None,
+        fused=ds_config is None,  # one kernel for all parameters; DeepSpeed's flat partitions: plain
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(cfg.train.warmup_steps))
-    engine = Engine(
+    return Engine(
         model,
         optimizer,
         scheduler,
@@ -170,33 +93,82 @@ def run(cfg: Config) -> dict[str, Any]:
         clip_norm=cfg.train.clip_norm,
         deepspeed=ds_config,
     )
-    cast = cfg.train.bf16 and ds_config is None  # DeepSpeed holds bf16 weights itself
+
+
+def resume_point(cfg: Config, ctx: ParallelContext) -> Path | None:
+    """The checkpoint to resume from (``train.resume``), reporting incomplete ones it skips."""
+    if cfg.train.resume == "never":
+        return None
+    if cfg.train.resume != "auto":
+        path = Path(cfg.train.resume)
+        entry = latest_complete(path)[0] if path.name == "checkpoints" else None
+        if not (path / "manifest.json").is_file() and entry is None:
+            raise CheckpointError(
+                f"train.resume={path} is not a complete checkpoint (no manifest.json); pass a "
+                "<run_dir>/checkpoints/step-* directory listed complete by `tpe-ckpt list`, or auto / never"
+            )
+        return entry.path if entry is not None else path
+    entry, skipped = latest_complete(cfg.run_dir() / "checkpoints")
+    for bad in skipped if ctx.is_main else []:
+        print(f"tpe-train: skipping incomplete checkpoint {bad.path} ({bad.reason})")
+    return entry.path if entry is not None else None
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Train (and evaluate) one run on this process's share of the launch; returns the final figures."""
+    layout = resolve_layout(cfg)  # an impossible layout stops here, before any work
+    ctx = ParallelContext.from_env(layout.tp_size, deepspeed=layout.deepspeed is not None)
+    seed_everything(cfg.train.seed)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    run_dir, ckpt_root = cfg.run_dir(), cfg.run_dir() / "checkpoints"
+    start = resume_point(cfg, ctx)  # a bad resume target stops here, before any work
+    signals = Signals()
+    data = prepare_data(cfg, ctx)
+    engine = build_engine(cfg, data, ctx, layout)
+    batches = TrainBatches(data, cfg.data, cfg.train.seed, ctx.dp_rank, ctx.dp_size)
+    progress = snapshot.Progress()
+    if start is not None:
+        progress = snapshot.restore(start, engine, cfg, data.tokenizer, batches)
+    cast = cfg.train.bf16 and not engine.uses_deepspeed  # DeepSpeed holds bf16 weights itself
     reports = ctx.gather(memory_report(engine.module, engine.optimizer, ctx.rank, layout))
-    batches = batch_stream(data, cfg.data, cfg.train.seed, ctx.dp_rank, ctx.dp_size)
+    samples = _sample_log(cfg, ctx)
     writer = SummaryWriter(str(run_dir / "tb")) if ctx.is_main else None
     if ctx.is_main:
+        (run_dir / "config.yaml").write_text(cfg.to_yaml())  # resolved config, before step 1
+        if engine.uses_deepspeed:
+            (run_dir / "deepspeed.json").write_text(json.dumps(deepspeed_config(cfg, layout), indent=2))
         for line in data.splits.report:
             print(f"tpe-train: cleaning {line}")
         print(
             f"tpe-train: {cfg.preset} | position {cfg.model.position.kind} | "
-            f"{parameter_count(model) / 1e6:.2f}M parameters | "
+            f"{parameter_count(engine.module) / 1e6:.2f}M parameters on this rank | "
             f"{'streamed' if cfg.data.streaming else len(data.train)} training pairs "
             f"({data.dropped_too_long} longer than data.max_len dropped) | vocab "
             f"{data.tokenizer.get_vocab_size()} | token store {data.store} "
             f"({'built' if data.built else 'reused'}) | run dir {run_dir}"
         )
         print(f"tpe-train: {ctx.describe()} | ZeRO {layout.zero_stage} | {layout.source}")
+        if start is not None:
+            print(f"tpe-train: resumed from {start} at step {progress.step}")
         for r in reports:
             print(f"tpe-train: memory {r.line()}")
         (run_dir / "memory.json").write_text(json.dumps([r.as_dict() for r in reports], indent=2))
 
-    bar = tqdm(
-        total=cfg.train.max_steps, disable=not (cfg.train.progress and ctx.is_main), dynamic_ncols=True
-    )
+    def save() -> Path:
+        return snapshot.save(ckpt_root, progress, engine, cfg, data.tokenizer, batches, layout.zero_stage)
+
+    show = cfg.train.progress and ctx.is_main
+    bar = tqdm(total=cfg.train.max_steps, initial=progress.step, disable=not show, dynamic_ncols=True)
     window_tokens, window_start = 0.0, time.perf_counter()
-    for step in range(1, cfg.train.max_steps + 1):
-        stats = train_step(engine, [next(batches) for _ in range(cfg.train.accumulate)], cfg, ctx, cast)
+    for step in range(progress.step + 1, cfg.train.max_steps + 1):
+        micro = [next(batches) for _ in range(cfg.train.accumulate)]
+        stats = train_step(engine, micro, cfg, ctx, cast)
+        progress.step, progress.tokens = step, progress.tokens + stats["tokens"]
         window_tokens += stats["tokens"]
+        if samples is not None:
+            samples.write(json.dumps({"step": step, "ids": [int(i) for b in micro for i in b.ids]}) + "\n")
+            samples.flush()
         if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
             elapsed = time.perf_counter() - window_start
             scalars = {
@@ -211,27 +183,53 @@ def run(cfg: Config) -> dict[str, Any]:
             window_tokens, window_start = 0.0, time.perf_counter()
         if step % cfg.train.valid_every == 0 or step == cfg.train.max_steps:
             _log(writer, validate(engine, data, cfg, ctx, cast), step)
+        preempted = ctx.any(signals.received is not None)
+        if (
+            preempted
+            or step == cfg.train.max_steps
+            or (cfg.train.save_every and step % cfg.train.save_every == 0)
+        ):
+            path = save()
+            if ctx.is_main:
+                tqdm.write(f"tpe-train: checkpoint {path}")
+        if preempted:
+            if ctx.is_main:
+                (run_dir / "preempted.json").write_text(json.dumps({"step": step, "checkpoint": str(path)}))
+                print(f"tpe-train: preempted at step {step}; checkpoint {path}; exiting {EXIT_PREEMPTED}")
+            raise Preempted
         bar.update(1)
     bar.close()
+    latest = latest_complete(ckpt_root)[0]
+    if latest is None or latest.step != progress.step:  # e.g. resumed from elsewhere with no step left
+        save()
 
     weights = engine.consolidated()  # every rank takes part; rank 0 writes and evaluates
     metrics: dict[str, Any] = {}
     if ctx.is_main:
         final = build_model(cfg, data.tokenizer)
         final.load_state_dict(weights)
-        checkpoint = save_export(run_dir / "checkpoint", final, cfg, data.tokenizer, cfg.train.max_steps)
+        checkpoint = save_export(run_dir / "checkpoint", final, cfg, data.tokenizer, progress.step)
         metrics["checkpoint"] = str(checkpoint)
         if cfg.eval.at_end:
             metrics.update(evaluate(final, data.tokenizer, data.splits, cfg.eval))
             for name in ("bleu", "chrf", "exact_match", "probe_accuracy"):
                 if metrics[name] is not None:
-                    _log(writer, {f"test/{name}": metrics[name]}, cfg.train.max_steps)
+                    _log(writer, {f"test/{name}": metrics[name]}, progress.step)
             (run_dir / "eval.json").write_text(json.dumps(metrics, indent=2))
             print(format_table(metrics))
         assert writer is not None
         writer.close()
         print(f"checkpoint: {checkpoint}")
     return metrics
+
+
+def _sample_log(cfg: Config, ctx: ParallelContext) -> Any:
+    """Per data-parallel rank, the ids of every batch trained on (appended; a resumed run continues)."""
+    if not cfg.train.log_samples or ctx.tp_rank != 0:
+        return None
+    path = cfg.run_dir() / "samples" / f"rank-{ctx.dp_rank:05d}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return open(path, "a")  # kept open for the whole run
 
 
 def _log(writer: SummaryWriter | None, scalars: dict[str, float], step: int) -> None:
@@ -244,7 +242,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="tpe-train",
         description="Train an encoder-decoder Transformer. Without arguments: the demo preset.",
-        epilog="Example: tpe-train --preset demo model.position.kind=rope train.max_steps=200",
+        epilog="Example: tpe-train --preset demo model.position.kind=rope train.max_steps=200. "
+        f"Exit status: 0 done, 2 bad config/data/checkpoint, {EXIT_PREEMPTED} preempted (checkpoint saved).",
     )
     parser.add_argument("--preset", default="demo", help="preset name in configs/presets or a YAML path")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.position.kind=rope")
@@ -262,10 +261,12 @@ def main(argv: list[str] | None = None) -> int:
             print(cfg.to_yaml(), end="")
             return 0
         run(cfg)
-    except (ConfigError, CorpusError) as err:  # bad config, layout or data: before any training step
+    except (ConfigError, CorpusError, CheckpointError) as err:  # reported, never a traceback
         if main_rank:
             print(f"tpe-train: {err}", file=sys.stderr)
         return 2
+    except Preempted:
+        return EXIT_PREEMPTED
     return 0
 
 

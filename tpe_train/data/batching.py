@@ -2,7 +2,7 @@
 
 A batch holds at most ``max_tokens`` padded source + target tokens. Batches are cut from the
 length-sorted order (so padding stays small), then shuffled; with several data-parallel ranks each
-global step hands every rank a different batch, and every rank takes the same number of steps.
+global step hands every rank a different batch of one global stream.
 """
 
 from __future__ import annotations
@@ -39,38 +39,24 @@ def token_batches(src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int, see
     return batches
 
 
-def _divisible(batches: list[np.ndarray], parts: int) -> list[np.ndarray]:
-    """Split the largest batches in two until their number is a multiple of ``parts``."""
-    batches = list(batches)
-    while len(batches) % parts:
-        largest = max(range(len(batches)), key=lambda i: len(batches[i]))
-        if len(batches[largest]) < 2:
-            raise ValueError(
-                f"the corpus has only {sum(len(b) for b in batches)} pairs, fewer than the {parts} "
-                "data-parallel ranks need; use fewer ranks or a larger corpus"
-            )
-        half = len(batches[largest]) // 2
-        big = batches.pop(largest)
-        batches[largest:largest] = [big[:half], big[half:]]
-    return batches
-
-
 @dataclass
 class BatchState:
-    """Where an iterator stands: the epoch and the number of global steps taken in it."""
+    """Where the data stream stands, the same on every rank and independent of the number of ranks:
+    the epoch, and how many of its batches all data-parallel ranks together have taken."""
 
     epoch: int = 0
-    step_in_epoch: int = 0
+    taken: int = 0
 
 
 class BatchIterator:
-    """Endless epochs of token batches for one data-parallel rank.
+    """Endless token batches for one data-parallel rank.
 
-    Every epoch cuts the same batches and shuffles them with ``(seed, epoch)``; global step ``s``
-    hands rank ``r`` batch ``s * dp_size + r``. The batch count is made a multiple of ``dp_size``
-    (by halving the largest batches), so every pair is seen exactly once per epoch and every rank
-    takes the same number of steps. Ranks of one tensor-parallel group pass the same ``dp_rank``
-    and so receive identical batches.
+    Every epoch cuts the same batches and shuffles them with ``(seed, epoch)``; the epochs follow one
+    another as one global stream. At each step the ``dp_size`` ranks take the next ``dp_size`` batches
+    of that stream, rank ``r`` the ``r``-th (a step may straddle two epochs). So every pair is seen
+    once per epoch whatever the number of ranks, and the position in the stream (``BatchState``)
+    carries over when a run resumes on a different number of ranks. Ranks of one tensor-parallel
+    group pass the same ``dp_rank`` and so receive identical batches.
     """
 
     def __init__(
@@ -83,25 +69,38 @@ class BatchIterator:
         dp_size: int = 1,
         state: BatchState | None = None,
     ) -> None:
-        self.batches = _divisible(token_batches(src_len, tgt_len, max_tokens, seed), dp_size)
+        self.batches = token_batches(src_len, tgt_len, max_tokens, seed)
+        if len(self.batches) < dp_size:
+            raise ValueError(
+                f"the corpus makes only {len(self.batches)} batches, fewer than the {dp_size} "
+                "data-parallel ranks need; use fewer ranks, smaller data.max_tokens or a larger corpus"
+            )
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
         self.state = state or BatchState()
 
     @property
-    def steps_per_epoch(self) -> int:
-        return len(self.batches) // self.dp_size
+    def steps_per_epoch(self) -> float:
+        return len(self.batches) / self.dp_size
 
     def _order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.batches))
 
     def __iter__(self) -> Iterator[np.ndarray]:
+        n = len(self.batches)
+        orders = {self.state.epoch: self._order(self.state.epoch)}
         while True:
-            order = self._order(self.state.epoch)
-            while self.state.step_in_epoch < self.steps_per_epoch:
-                k = self.state.step_in_epoch * self.dp_size + self.dp_rank
-                self.state.step_in_epoch += 1
-                yield self.batches[order[k]]
-            self.state = BatchState(self.state.epoch + 1, 0)
+            epoch, k = self.state.epoch, self.state.taken + self.dp_rank
+            if k >= n:  # this rank's batch is in the next epoch
+                epoch, k = epoch + 1, k - n
+            if epoch not in orders:
+                orders = {e: o for e, o in orders.items() if e >= self.state.epoch}
+                orders[epoch] = self._order(epoch)
+            taken = self.state.taken + self.dp_size
+            if taken >= n:
+                self.state = BatchState(self.state.epoch + 1, taken - n)
+            else:
+                self.state = BatchState(self.state.epoch, taken)
+            yield self.batches[orders[epoch][k]]
 
 
 @dataclass

@@ -5,13 +5,14 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from datasets import Dataset, IterableDataset
 from tokenizers import Tokenizer
 
 from tpe_train.data import synthetic
-from tpe_train.data.batching import EOS_ID, Batch, BatchIterator, collate, length_arrays
+from tpe_train.data.batching import EOS_ID, Batch, BatchIterator, BatchState, collate, length_arrays
 from tpe_train.data.clean import CleanSpec, clean, clean_stream, format_report
 from tpe_train.data.sources import CorpusError, load_split, stream_split
 from tpe_train.data.store import load_store, store_path, write_store
@@ -175,26 +176,63 @@ def _build_streaming(cfg: DataConfig, path: Path) -> Prepared:
     return Prepared(splits, tok, empty, valid, 0, path, built=True)
 
 
-def batch_stream(
-    data: Prepared, cfg: DataConfig, seed: int, dp_rank: int = 0, dp_size: int = 1
-) -> Iterator[Batch]:
-    """Training batches of data-parallel rank ``dp_rank`` of ``dp_size`` (tensor-parallel ranks of
-    one group pass the same ``dp_rank`` and get the same batches)."""
-    if cfg.streaming:
-        stream = StreamingBatches(
-            train_stream(cfg),
-            data.tokenizer,
-            cfg.max_tokens,
-            seed,
-            cfg.shuffle_buffer,
-            max_len=cfg.max_len,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
-        )
-        return iter(stream)
-    src_len, tgt_len = length_arrays(data.train)
-    batches = BatchIterator(src_len, tgt_len, cfg.max_tokens, seed, dp_rank=dp_rank, dp_size=dp_size)
-    return (collate(data.train, idx) for idx in batches)
+class TrainBatches:
+    """The training batches of one data-parallel rank, with a resumable position.
+
+    ``state_dict()`` is plain JSON data. Pre-tokenised data keeps one global position, the same on
+    every rank and valid for any number of ranks; a streamed corpus keeps each rank's own stream
+    state, valid only for the same number of ranks (``per_rank``)."""
+
+    def __init__(
+        self, data: Prepared, cfg: DataConfig, seed: int, dp_rank: int = 0, dp_size: int = 1
+    ) -> None:
+        self.data, self.per_rank = data, cfg.streaming
+        if cfg.streaming:
+            self.stream: StreamingBatches | None = StreamingBatches(
+                train_stream(cfg),
+                data.tokenizer,
+                cfg.max_tokens,
+                seed,
+                cfg.shuffle_buffer,
+                max_len=cfg.max_len,
+                dp_rank=dp_rank,
+                dp_size=dp_size,
+            )
+            self.batches: BatchIterator | None = None
+        else:
+            self.stream = None
+            src_len, tgt_len = length_arrays(data.train)
+            self.batches = BatchIterator(
+                src_len, tgt_len, cfg.max_tokens, seed, dp_rank=dp_rank, dp_size=dp_size
+            )
+        self._it: Iterator[Any] | None = None
+
+    def __iter__(self) -> Iterator[Batch]:
+        return self
+
+    def __next__(self) -> Batch:
+        if self._it is None:
+            self._it = iter(self.stream) if self.stream is not None else iter(self.batches)  # type: ignore[arg-type]
+        item = next(self._it)
+        if self.stream is not None:
+            assert isinstance(item, Batch)
+            return item
+        assert isinstance(item, np.ndarray)
+        return collate(self.data.train, item)
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.stream is not None:
+            return {"stream": self.stream.state_dict()}
+        assert self.batches is not None
+        return {"epoch": self.batches.state.epoch, "taken": self.batches.state.taken}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._it = None
+        if self.stream is not None:
+            self.stream.load_state_dict(state["stream"])
+        else:
+            assert self.batches is not None
+            self.batches.state = BatchState(int(state["epoch"]), int(state["taken"]))
 
 
 def _build(cfg: DataConfig, path: Path) -> Prepared:

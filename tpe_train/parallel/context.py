@@ -70,6 +70,18 @@ class ParallelContext:
         dist.all_reduce(t, group=self.dp_group)
         return [float(v) for v in t.tolist()]
 
+    def any(self, flag: bool) -> bool:
+        """True on every rank if ``flag`` is true on any rank."""
+        if not self.distributed:
+            return flag
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's ``obj``, in rank order, on every rank."""
         if not self.distributed:

@@ -104,17 +104,33 @@ class Engine:
         return float(norm)
 
     def lr(self) -> float:
-        return float(self.scheduler.get_last_lr()[0])
+        return float(self.lr_scheduler.get_last_lr()[0])
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The torch scheduler under accelerate's wrapper."""
+        return getattr(self.scheduler, "scheduler", self.scheduler)
+
+    def set_lr(self, lrs: list[float]) -> None:
+        """Set the optimizer's learning rates (after a scheduler state is restored)."""
+        opt: Any = self.optimizer
+        while not (isinstance(opt, torch.optim.Optimizer) and type(opt).__module__.startswith("torch")):
+            opt = opt.optimizer
+        for group, lr in zip(opt.param_groups, lrs, strict=True):
+            group["lr"] = lr
 
     @contextlib.contextmanager
-    def gathered(self) -> Iterator[nn.Module]:
+    def gathered(self, modify: bool = False) -> Iterator[nn.Module]:
         """The model with every parameter present on this rank (ZeRO-3 gathers them for the block;
-        tensor-parallel shards stay sharded: all ranks of a TP group must run the block together)."""
+        tensor-parallel shards stay sharded: all ranks of a TP group must run the block together).
+        ``modify``: changes made in the block are kept (every rank must make the same ones)."""
         module = self.module
         if self.zero3:
             import deepspeed
 
-            with deepspeed.zero.GatheredParameters(list(module.parameters())):
+            with deepspeed.zero.GatheredParameters(
+                list(module.parameters()), modifier_rank=0 if modify else None
+            ):
                 yield module
         else:
             yield module
@@ -156,6 +172,8 @@ def share_fp32_master(optimizer: Any) -> int:
         if same_kind and master.data_ptr() != weights.data_ptr():
             saved += master.numel() * master.element_size()
             master.data = weights.data
+    if saved and hasattr(zero, "single_partition_of_fp32_groups"):
+        zero._link_all_hp_params()  # ZeRO-1/2 keep views of the master per parameter: point them anew
     return saved
 
 

@@ -1,0 +1,161 @@
+"""``tpe-ckpt``: list, average, export and reshard training checkpoints.
+
+    tpe-ckpt list RUN_DIR
+    tpe-ckpt average RUN_DIR --last 5 --out DIR      # the mean of the last N checkpoints' weights
+    tpe-ckpt export CHECKPOINT|RUN_DIR --out DIR     # one checkpoint (RUN_DIR: its latest)
+    tpe-ckpt reshard CHECKPOINT --config_file configs/accelerate/X.yaml --out RUN_DIR
+
+``average`` and ``export`` read the checkpoints' weights straight from their directories (verified
+against each manifest) and write an export that ``tpe-eval --checkpoint DIR`` reads: safetensors
+weights, the config and the tokenizer. ``reshard`` starts the trainer under another launch file: it
+loads the checkpoint into the new layout and saves it there (DeepSpeed shards of that layout included);
+a run resumed on another layout does the same by itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from tpe_train.checkpoint import build_model, save_export
+from tpe_train.ckpt_store import MODEL, TRAINER, CheckpointError, Entry, entries, latest_complete, verify
+from tpe_train.config import ConfigError, validate
+from tpe_train.data.tokenizer import load_tokenizer
+
+
+def _complete(run_dir: Path) -> list[Entry]:
+    found = [e for e in entries(run_dir / "checkpoints") if e.complete]
+    if not found:
+        raise CheckpointError(
+            f"{run_dir} holds no complete checkpoint under checkpoints/; pass a run directory of tpe-train "
+            "(train.run_dir) that has saved at least once (train.save_every)"
+        )
+    return found
+
+
+def _checkpoint(path: Path) -> Path:
+    """A checkpoint directory, or a run directory's latest complete one."""
+    if (path / "manifest.json").is_file():
+        entry = next((e for e in [*entries(path.parent)] if e.path == path), None)
+        if entry is None or not entry.complete:
+            raise CheckpointError(
+                f"{path} is incomplete ({entry.reason if entry else 'unknown'}); pick another"
+            )
+        return path
+    latest, _ = latest_complete(path / "checkpoints")
+    if latest is None:
+        raise CheckpointError(f"{path} is neither a complete checkpoint nor a run directory with one")
+    return latest.path
+
+
+def _export(sources: list[Path], out: Path) -> Path:
+    """The mean of the sources' weights as an export (one source: that checkpoint)."""
+    first = sources[0]
+    cfg = validate(yaml.safe_load((first / "config.yaml").read_text()))
+    tok = load_tokenizer(first / "tokenizer.json")
+    total: dict[str, torch.Tensor] = {}
+    for path in sources:
+        verify(path, [MODEL, "config.yaml", "tokenizer.json"])
+        weights = load_file(str(path / MODEL))
+        if total and weights.keys() != total.keys():
+            raise CheckpointError(f"{path} holds another model than {first}; average checkpoints of one run")
+        for name, value in weights.items():
+            total[name] = total[name] + value.double() if name in total else value.double()
+    model = build_model(cfg, tok)
+    model.load_state_dict({k: (v / len(sources)).float() for k, v in total.items()})
+    step = int(json.loads((sources[-1] / TRAINER).read_text())["step"])
+    return save_export(out, model, cfg, tok, step)
+
+
+def cmd_list(args: argparse.Namespace) -> None:
+    root = Path(args.run_dir) / "checkpoints"
+    found = entries(root)
+    latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else ""
+    print(f"{'checkpoint':22s} {'step':>8s} {'state':10s} {'layout':28s} {'size':>10s}")
+    for e in found:
+        lay = e.layout
+        layout = "?"
+        if lay:
+            dp, tp, zero = lay["dp_size"], lay["tp_size"], lay["zero_stage"]
+            layout = f"world {lay['world_size']} (dp {dp} x tp {tp}) ZeRO {zero}"
+        state = "complete" if e.complete else "INCOMPLETE"
+        mark = "  <- latest" if e.path.name == latest else ""
+        reason = f"  ({e.reason})" if e.reason else ""
+        print(f"{e.path.name:22s} {e.step:8d} {state:10s} {layout:28s} {e.size / 2**20:8.1f}MB{mark}{reason}")
+
+
+def cmd_average(args: argparse.Namespace) -> None:
+    chosen = _complete(Path(args.run_dir))[-args.last :]
+    if len(chosen) < args.last:
+        print(f"tpe-ckpt: only {len(chosen)} complete checkpoints; averaging those", file=sys.stderr)
+    out = _export([e.path for e in chosen], Path(args.out))
+    print(f"averaged {', '.join(e.path.name for e in chosen)} -> {out}")
+
+
+def cmd_export(args: argparse.Namespace) -> None:
+    path = _checkpoint(Path(args.checkpoint))
+    print(f"exported {path} -> {_export([path], Path(args.out))}")
+
+
+def cmd_reshard(args: argparse.Namespace) -> None:
+    path = _checkpoint(Path(args.checkpoint))
+    step = int(json.loads((path / TRAINER).read_text())["step"])
+    out = Path(args.out)
+    if (out / "checkpoints").exists():
+        raise CheckpointError(f"{out} already holds checkpoints; choose a new --out run directory")
+    out.mkdir(parents=True, exist_ok=True)
+    shutil.copy(path / "config.yaml", out / "source-config.yaml")
+    cmd = [
+        sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
+        "-m", "tpe_train.train", "--preset", str(out / "source-config.yaml"),
+        f"train.run_dir={out}", f"train.resume={path}", f"train.max_steps={step}", "eval.at_end=false",
+        "train.progress=false",
+    ]  # fmt: skip
+    result = subprocess.run(cmd, env={**os.environ})
+    if result.returncode != 0:
+        raise SystemExit(result.returncode)
+    print(f"resharded {path} -> {out / 'checkpoints'} (layout of {args.config_file})")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="tpe-ckpt", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("list", help="checkpoints of a run: step, layout, size, complete or not")
+    p.add_argument("run_dir")
+    p.set_defaults(fn=cmd_list)
+    p = sub.add_parser("average", help="average the weights of the last N checkpoints into an export")
+    p.add_argument("run_dir")
+    p.add_argument("--last", type=int, default=5)
+    p.add_argument("--out", required=True)
+    p.set_defaults(fn=cmd_average)
+    p = sub.add_parser("export", help="one checkpoint (or a run's latest) as an export for tpe-eval")
+    p.add_argument("checkpoint")
+    p.add_argument("--out", required=True)
+    p.set_defaults(fn=cmd_export)
+    p = sub.add_parser("reshard", help="re-save a checkpoint under another launch layout")
+    p.add_argument("checkpoint")
+    p.add_argument("--config_file", required=True, help="accelerate launch file of the new layout")
+    p.add_argument("--out", required=True, help="a new run directory")
+    p.set_defaults(fn=cmd_reshard)
+    args = parser.parse_args(argv)
+    if getattr(args, "last", 1) < 1:
+        parser.error("--last must be at least 1")
+    try:
+        args.fn(args)
+    except (CheckpointError, ConfigError, FileNotFoundError) as err:
+        print(f"tpe-ckpt: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""One training step and one validation pass, shared by the loop and the distributed tests.
+
+The gradient of a step is that of the summed loss over all its target tokens on all data-parallel
+ranks divided by their count, so any layout computes the gradient of one process with the same
+global batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+from tpe_train.config import Config
+from tpe_train.data.batching import PAD_ID, Batch, BatchIterator, collate, length_arrays
+from tpe_train.data.corpus import pairs_of
+from tpe_train.evaluate import bleu_score, translate
+from tpe_train.model.loss import label_smoothed_loss
+from tpe_train.model.transformer import Transformer
+from tpe_train.parallel.context import ParallelContext
+from tpe_train.parallel.engine import Engine
+
+
+def inverse_sqrt(warmup: int) -> Any:
+    """Multiplier of the peak lr: linear warmup, then sqrt(warmup / step) (Vaswani et al. 2017)."""
+
+    def factor(step: int) -> float:
+        step = max(step, 1)
+        if warmup and step < warmup:
+            return step / warmup
+        return math.sqrt(max(warmup, 1) / step)
+
+    return factor
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def autocast(enabled: bool) -> contextlib.AbstractContextManager[Any]:
+    return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+
+
+def batch_loss(model: Any, batch: Batch, cfg: Config, cast: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(summed smoothed loss, summed nll, target tokens) of one batch; ``cast``: bf16 autocast."""
+    with autocast(cast):
+        logits = model(batch.src, batch.tgt_in)
+    loss, nll, ntok = label_smoothed_loss(logits, batch.tgt_out, PAD_ID, cfg.train.label_smoothing)
+    return loss, nll, int(ntok)
+
+
+def train_step(
+    engine: Engine, micro: list[Batch], cfg: Config, ctx: ParallelContext, cast: bool
+) -> dict[str, float]:
+    """One optimizer step over ``train.accumulate`` batches on every data-parallel rank.
+
+    The gradient is that of the summed loss over all target tokens of the step on all ranks, divided
+    by their count, so that 2 ranks x k batches give exactly the gradient of one process holding the
+    same 2k batches. The token count is summed over ranks first; each backward then multiplies by
+    ``accumulate * dp_size``, which undoes the averaging that accelerate/DeepSpeed apply over
+    accumulation steps and data-parallel ranks."""
+    ntok = ctx.dp_sum([float(sum(b.target_tokens for b in micro))])[0]
+    scale = cfg.train.accumulate * ctx.dp_size / ntok
+    loss_sum, nll_sum = 0.0, 0.0
+    for batch in micro:
+        loss, nll, _ = batch_loss(engine.forward, batch, cfg, cast)
+        engine.backward(loss * scale)
+        loss_sum, nll_sum = loss_sum + float(loss.detach()), nll_sum + float(nll)
+    grad_norm = engine.step()
+    loss_sum, nll_sum = ctx.dp_sum([loss_sum, nll_sum])
+    return {"loss": loss_sum / ntok, "nll": nll_sum / ntok, "grad_norm": grad_norm, "tokens": ntok}
+
+
+@torch.no_grad()
+def validate(engine: Engine, data: Any, cfg: Config, ctx: ParallelContext, cast: bool) -> dict[str, float]:
+    """Validation loss (nll per token, batches split over data-parallel ranks) and greedy BLEU on the
+    first ``valid_bleu_size`` pairs (every rank decodes them: tensor-parallel ranks must run together)."""
+    with engine.gathered() as module:
+        model = cast_model(module)
+        model.eval()
+        src_len, tgt_len = length_arrays(data.valid)
+        batches = BatchIterator(src_len, tgt_len, cfg.data.max_tokens, seed=0).batches
+        nll_sum, ntok_sum = 0.0, 0.0
+        for idx in batches[ctx.dp_rank :: ctx.dp_size]:
+            _, nll, ntok = batch_loss(model, collate(data.valid, idx), cfg, cast)
+            nll_sum, ntok_sum = nll_sum + float(nll), ntok_sum + ntok
+        nll_sum, ntok_sum = ctx.dp_sum([nll_sum, ntok_sum])
+        out = {"valid/nll": nll_sum / ntok_sum, "valid/ppl": math.exp(min(nll_sum / ntok_sum, 50.0))}
+        n = cfg.train.valid_bleu_size
+        if n:
+            pairs = pairs_of(data.splits.valid, n)
+            hyps = translate(model, data.tokenizer, [s for s, _ in pairs], cfg.eval, beam=1)
+            refs = [t for _, t in pairs]
+            out["valid/bleu"] = bleu_score([h or "" for h in hyps], refs, data.splits.pretokenized)[0]
+        model.train()
+    return out
+
+
+def cast_model(module: torch.nn.Module) -> Transformer:
+    assert isinstance(module, Transformer)
+    return module
