@@ -1,0 +1,178 @@
+"""``tpe-launch``: one launch layer for a workstation and for Slurm.
+
+    tpe-launch submit --preset P --nodes N --gpus-per-node G [options] [overrides]  # sbatch a template
+    tpe-launch run --preset P [options] [overrides]   # per node: accelerate launch ... -m tpe_train.train
+    tpe-launch supervise -- srun ...                   # the batch step: preemption signal and requeue
+
+Bad input (an unknown preset or layout, nodes < 1, an invalid override, ...) stops with one
+paragraph on stderr and exit code 2, before anything is submitted or started.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from collections.abc import Mapping
+
+from launcher.plan import LaunchError, LaunchPlan, Layout, NodeEnv, Resources, sweep_kind, sweep_overrides
+from launcher.submit import SCRIPTS, SubmitArgs, build, dry_run_text, report, submit
+from launcher.supervise import run_node, supervise_job
+
+USAGE = __doc__.split("\n\n")[1]
+
+
+def _resource_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", default="demo", help="preset name in configs/presets or a YAML path")
+    parser.add_argument(
+        "--gpus-per-node", type=int, default=None, help="GPUs per node, one process each (0: CPU nodes)"
+    )
+    parser.add_argument(
+        "--procs-per-node",
+        type=int,
+        default=None,
+        help="CPU nodes: processes per node (default: --cpus-per-node, else 1)",
+    )
+    parser.add_argument("--cpus-per-node", type=int, default=None, help="CPU cores per node to ask for")
+    parser.add_argument(
+        "--layout",
+        default=None,
+        help="launch file of configs/accelerate (name or path); default gpu_zero1 on GPUs, "
+        "cpu_ddp (cpu_single for one process) on CPUs",
+    )
+    parser.add_argument("overrides", nargs="*", help="dotted config overrides, e.g. train.max_steps=200")
+
+
+def submit_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tpe-launch submit",
+        description="Render a template of slurm/ for a preset and resources and submit it with sbatch; "
+        "prints the job id, the log path and the run directory.",
+    )
+    p.add_argument("--nodes", type=int, default=1, help="nodes (one launcher task each)")
+    _resource_args(p)
+    p.add_argument("--script", default="train", choices=SCRIPTS, help="which template of slurm/")
+    p.add_argument("--partition", default=None)
+    p.add_argument("--account", default=None)
+    p.add_argument("--time", default=None, help="time limit (minutes, HH:MM:SS, D-HH:MM:SS)")
+    p.add_argument("--array", default=None, help="sweep_positions: array indices (default 0-6, all kinds)")
+    p.add_argument("--dependency", default=None, help="sbatch --dependency, e.g. afterok:1234")
+    p.add_argument("--job-name", default=None)
+    p.add_argument(
+        "--signal-before",
+        type=int,
+        default=300,
+        help="seconds before the time limit at which the trainers checkpoint and the job requeues",
+    )
+    p.add_argument("--sweep-root", default=None, help="sweep_positions: parent of the per-kind run dirs")
+    p.add_argument("--last", type=int, default=5, help="eval: average the last N checkpoints")
+    p.add_argument("--out", default=None, help="eval: directory of the averaged export")
+    p.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
+    return p
+
+
+def run_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tpe-launch run",
+        description="Start this node's share of a run: accelerate launch with machine rank, machine count, "
+        "main address and port from SLURM_* (one machine, 127.0.0.1, outside Slurm).",
+    )
+    p.add_argument("--nodes", type=int, default=None, help="nodes of the run (default: SLURM_NNODES)")
+    _resource_args(p)
+    p.add_argument("--sweep", choices=["positions"], default=None, help="pick the encoding by array index")
+    p.add_argument("--sweep-root", default=None, help="parent of the sweep's per-kind run directories")
+    p.add_argument("--port", type=int, default=None, help="main process port (default: from the job id)")
+    p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
+    return p
+
+
+def gpus_from_env(env: Mapping[str, str]) -> int:
+    """GPUs on this node: SLURM_GPUS_ON_NODE, else the CUDA_VISIBLE_DEVICES list, else none."""
+    if env.get("SLURM_GPUS_ON_NODE", "").isdigit():
+        return int(env["SLURM_GPUS_ON_NODE"])
+    visible = env.get("CUDA_VISIBLE_DEVICES", "").strip()
+    return len([d for d in visible.split(",") if d.strip()]) if visible else 0
+
+
+def plan_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchPlan:
+    """The launch of this node from ``tpe-launch run``'s options and the environment."""
+    node = NodeEnv.from_env(env)
+    if args.port is not None:
+        node = NodeEnv(node.machine_rank, node.num_machines, node.main_ip, args.port, node.job_id,
+                       node.array_index, node.restart)  # fmt: skip
+    gpus = args.gpus_per_node if args.gpus_per_node is not None else gpus_from_env(env)
+    nodes = args.nodes if args.nodes is not None else node.num_machines
+    cpus = args.cpus_per_node
+    if cpus is None and not gpus and env.get("SLURM_CPUS_ON_NODE", "").isdigit():
+        cpus = int(env["SLURM_CPUS_ON_NODE"])
+    res = Resources.build(nodes, gpus, args.procs_per_node, cpus)
+    layout = Layout.load(args.layout) if args.layout else Layout.default(res)
+    overrides = list(args.overrides)
+    if args.sweep == "positions":
+        if not args.sweep_root:
+            raise LaunchError("--sweep positions needs --sweep-root (the parent of the per-kind run dirs)")
+        overrides = sweep_overrides(overrides, sweep_kind(node.array_index), args.sweep_root)
+    return LaunchPlan(args.preset, overrides, res, layout, node)
+
+
+def cmd_run(argv: list[str]) -> int:
+    args = run_parser().parse_intermixed_args(argv)
+    plan = plan_from_args(args, os.environ)
+    env = plan.env(os.environ)
+    if args.dry_run:
+        print(f"# {plan.describe()}")
+        extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
+        print(shlex.join([f"{k}={v}" for k, v in sorted(extra.items())] + plan.command()))
+        return 0
+    print(f"tpe-launch: {plan.describe()}", file=sys.stderr, flush=True)
+    print(f"tpe-launch: {shlex.join(plan.command())}", file=sys.stderr, flush=True)
+    return run_node(plan.command(), env)
+
+
+def cmd_submit(argv: list[str]) -> int:
+    ns = submit_parser().parse_intermixed_args(argv)
+    fields = {k: v for k, v in vars(ns).items() if k != "dry_run"}
+    sub = build(SubmitArgs(**fields))
+    if ns.dry_run:
+        print(dry_run_text(sub), end="")
+        return 0
+    print(report(sub, submit(sub)))
+    return 0
+
+
+def cmd_supervise(argv: list[str]) -> int:
+    cmd = argv[1:] if argv[:1] == ["--"] else argv
+    if not cmd:
+        raise LaunchError(
+            "tpe-launch supervise needs the command to run after --, e.g. -- srun tpe-launch run"
+        )
+    return supervise_job(cmd, os.environ)
+
+
+COMMANDS = {"submit": cmd_submit, "run": cmd_run, "supervise": cmd_supervise}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``tpe-launch``."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(f"usage:\n{USAGE}\n\nEach command takes --help.")
+        return 0 if argv else 2
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(
+            f"tpe-launch: error: unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)} "
+            "(tpe-launch --help)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        return command(argv[1:])
+    except LaunchError as err:
+        print(f"tpe-launch {argv[0]}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

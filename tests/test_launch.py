@@ -1,0 +1,384 @@
+"""The launch layer without Slurm: commands from a fake SLURM_* environment, templates, bad input,
+and signal handling with real processes (tests/test_slurm.py runs the same on a real cluster)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from launcher.cli import main
+from launcher.plan import (
+    EXIT_PREEMPTED,
+    POSITION_SWEEP,
+    ROOT,
+    LaunchError,
+    LaunchPlan,
+    Layout,
+    NodeEnv,
+    Resources,
+    first_host,
+    job_port,
+    sweep_kind,
+    sweep_overrides,
+)
+from launcher.submit import array_indices, render, time_seconds
+from tpe_train.positions import POSITIONS
+
+
+def slurm_env(**kw: str) -> dict[str, str]:
+    env = {
+        "SLURM_JOB_ID": "123456",
+        "SLURM_NODEID": "2",
+        "SLURM_NNODES": "4",
+        "SLURM_JOB_NODELIST": "gpu[07-10]",
+        "SLURM_STEP_ID": "0",
+        "SLURM_STEP_NUM_TASKS": "4",
+    }
+    env.update(kw)
+    return env
+
+
+def fake_hostnames(nodelist: str) -> list[str]:
+    """What ``scontrol show hostnames`` prints for the lists used here."""
+    assert nodelist == "gpu[07-10]"
+    return ["gpu07", "gpu08", "gpu09", "gpu10"]
+
+
+def flag(cmd: list[str], name: str) -> str:
+    return cmd[cmd.index(name) + 1]
+
+
+# -- the command of one node ----------------------------------------------------------------------
+
+
+def test_node_env_from_slurm() -> None:
+    node = NodeEnv.from_env(slurm_env(SLURM_RESTART_COUNT="1"), fake_hostnames)
+    assert (node.machine_rank, node.num_machines, node.main_ip) == (2, 4, "gpu07")
+    assert node.port == 20000 + 123456 % 10000 == job_port("123456")
+    assert node.restart == 1 and node.array_index is None
+
+
+def test_outside_slurm_one_local_machine() -> None:
+    node = NodeEnv.from_env({"PATH": "/bin"})
+    assert (node.machine_rank, node.num_machines, node.main_ip, node.job_id) == (0, 1, "127.0.0.1", None)
+
+
+def test_gpu_command_for_node_2_of_4() -> None:
+    res = Resources.build(nodes=4, gpus_per_node=8)
+    node = NodeEnv.from_env(slurm_env(), fake_hostnames)
+    plan = LaunchPlan("demo", ["model.position.kind=rope"], res, Layout.load("gpu_zero2"), node)
+    cmd = plan.command()
+    assert cmd[1] == "launch" and Path(cmd[0]).name == "accelerate"
+    assert flag(cmd, "--config_file") == str(ROOT / "configs/accelerate/gpu_zero2.yaml")
+    assert flag(cmd, "--num_machines") == "4"
+    assert flag(cmd, "--machine_rank") == "2"
+    assert flag(cmd, "--main_process_ip") == "gpu07"
+    assert flag(cmd, "--main_process_port") == str(job_port("123456"))
+    assert flag(cmd, "--num_processes") == "32"  # accelerate gives each machine 32 / 4 = 8
+    assert flag(cmd, "--deepspeed_config_file") == str(ROOT / "configs/deepspeed/zero2.json")
+    assert flag(cmd, "--deepspeed_multinode_launcher") == "standard"  # not pdsh over ssh
+    assert cmd[cmd.index("-m") :] == ["-m", "tpe_train.train", "--preset", "demo", "model.position.kind=rope"]
+    assert "DS_ACCELERATOR" not in plan.env({})
+
+
+def test_cpu_command_uses_gloo_layouts_and_ds_accelerator() -> None:
+    res = Resources.build(nodes=2, cpus_per_node=4, procs_per_node=2)
+    node = NodeEnv.from_env(slurm_env(SLURM_NODEID="1", SLURM_NNODES="2", SLURM_STEP_NUM_TASKS="2"),
+                            lambda _: ["n1", "n2"])  # fmt: skip
+    ddp = LaunchPlan("demo", [], res, Layout.default(res), node)
+    cmd = ddp.command()
+    assert ddp.layout.name == "cpu_ddp" and ddp.layout.use_cpu
+    assert flag(cmd, "--num_processes") == "4" and flag(cmd, "--machine_rank") == "1"
+    assert flag(cmd, "--main_process_ip") == "n1"
+    assert flag(cmd, "--num_cpu_threads_per_process") == "2"
+    assert "--deepspeed_multinode_launcher" not in cmd
+    assert ddp.env({})["DS_ACCELERATOR"] == "cpu"
+    zero2 = LaunchPlan("demo", [], res, Layout.load("cpu_zero2"), node).command()
+    assert flag(zero2, "--deepspeed_multinode_launcher") == "standard"
+    single = Resources.build()
+    assert Layout.default(single).name == "cpu_single" and single.processes == 1
+
+
+def test_processes_per_node_follow_gpus_or_cpus() -> None:
+    assert Resources.build(nodes=3, gpus_per_node=4).processes == 12
+    assert Resources.build(nodes=2, cpus_per_node=8).procs_per_node == 8  # one per CPU asked for
+    assert Resources.build(nodes=2, cpus_per_node=8, procs_per_node=2).procs_per_node == 2
+    with pytest.raises(LaunchError, match="one process per GPU"):
+        Resources.build(gpus_per_node=8, procs_per_node=4)
+    with pytest.raises(LaunchError, match="--nodes must be at least 1"):
+        Resources.build(nodes=0)
+    with pytest.raises(LaunchError, match="at least one CPU per process"):
+        Resources.build(cpus_per_node=2, procs_per_node=4)
+
+
+def test_layouts_that_cannot_run_are_refused() -> None:
+    cpu, gpu = Resources.build(nodes=2), Resources.build(gpus_per_node=2)
+    with pytest.raises(LaunchError, match="runs on GPUs but no GPUs"):
+        Layout.load("gpu_zero1").check(cpu)
+    with pytest.raises(LaunchError, match="runs on CPUs"):
+        Layout.load("cpu_ddp").check(gpu)
+    with pytest.raises(LaunchError, match="starts one process but 2"):
+        Layout.load("cpu_single").check(cpu)
+    with pytest.raises(LaunchError, match=r"not found.*cpu_ddp.*gpu_zero1"):
+        Layout.load("zero9")
+
+
+def test_the_slurm_step_must_run_one_task_per_node() -> None:
+    with pytest.raises(LaunchError, match="exactly one task per node"):
+        NodeEnv.from_env(slurm_env(SLURM_STEP_NUM_TASKS="32"), fake_hostnames)
+    node = NodeEnv.from_env(slurm_env(), fake_hostnames)
+    with pytest.raises(LaunchError, match="SLURM_NNODES"):
+        LaunchPlan("demo", [], Resources.build(nodes=2, gpus_per_node=8), Layout.load("gpu_zero1"), node)
+
+
+def test_first_host_of_a_node_list_without_scontrol() -> None:
+    assert first_host("gpu[07-10,12],cpu3", hostnames=None) in ("gpu07",)
+    assert first_host("n1", hostnames=lambda _: []) == "n1"
+    assert first_host("node-a,node-b", hostnames=lambda _: []) == "node-a"
+    assert first_host("rack[2-3]-gpu[1-4]", hostnames=lambda _: []) == "rack2"  # scontrol: rack2-gpu1
+    assert first_host("x[1-2]", hostnames=lambda _: ["x1", "x2"]) == "x1"
+
+
+def test_position_sweep_covers_every_registered_encoding() -> None:
+    assert POSITION_SWEEP == ("none", "sinusoidal", "learned", "shaw", "t5", "alibi", "rope")
+    assert set(POSITION_SWEEP) == set(POSITIONS.names())
+    assert [sweep_kind(i) for i in range(7)] == list(POSITION_SWEEP)
+    with pytest.raises(LaunchError, match="outside the position sweep"):
+        sweep_kind(7)
+    with pytest.raises(LaunchError, match="SLURM_ARRAY_TASK_ID"):
+        sweep_kind(None)
+    assert sweep_overrides(["train.max_steps=4"], "t5", "/r") == [
+        "train.max_steps=4",
+        "model.position.kind=t5",
+        "train.run_dir=/r/t5",
+    ]
+    with pytest.raises(LaunchError, match=r"sets model\.position\.kind"):
+        sweep_overrides(["model.position.kind=rope"], "t5", "/r")
+
+
+# -- submit: parsing, templates, dry run ----------------------------------------------------------
+
+
+def test_time_limits_and_array_specs() -> None:
+    assert time_seconds("30") == 1800
+    assert time_seconds("10:30") == 630
+    assert time_seconds("2:00:00") == 7200
+    assert time_seconds("1-02") == 93600
+    assert time_seconds("1-00:00:10") == 86410
+    with pytest.raises(LaunchError, match="not a Slurm time limit"):
+        time_seconds("2h")
+    assert array_indices("0-6") == list(range(7))
+    assert array_indices("1,4-6%2") == [1, 4, 5, 6]
+    assert array_indices("0-6:3") == [0, 3, 6]
+
+
+def test_render_fills_placeholders_and_drops_empty_lines() -> None:
+    text = "a={{a}}\n{{gone}}\nb\n"
+    assert render(text, {"a": "1", "gone": ""}) == "a=1\nb\n"
+    with pytest.raises(LaunchError, match="without a value: gone"):
+        render(text, {"a": "1"})
+
+
+def test_templates_hold_no_logic() -> None:
+    """Shell files: #SBATCH lines, comments, set/export, and one exec'd command (or two for eval)."""
+    for path in (ROOT / "slurm").glob("*.sbatch"):
+        for line in path.read_text().splitlines():
+            assert not re.match(r"\s*(if|for|while|case|trap|function)\b|.*\$\(\(|.*\|\|", line), (path, line)
+
+
+def dry_run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    assert main(["submit", *argv, "--dry-run"]) == 0
+    return capsys.readouterr().out
+
+
+def test_dry_run_4_nodes_x_8_gpus(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = dry_run(
+        ["--preset", "demo", "--nodes", "4", "--gpus-per-node", "8", "--partition", "gpu", "--account",
+         "lab", "--time", "12:00:00", f"train.run_dir={tmp_path}/run"],
+        capsys,
+    )  # fmt: skip
+    sbatch = dict(re.findall(r"^#SBATCH --([\w-]+)=?(.*)$", out, re.M))
+    assert sbatch["nodes"] == "4"
+    assert sbatch["ntasks-per-node"] == "1"  # one launcher per node; it starts the 8 processes
+    assert sbatch["gpus-per-node"] == "8"
+    assert sbatch["partition"] == "gpu" and sbatch["account"] == "lab" and sbatch["time"] == "12:00:00"
+    assert sbatch["signal"] == "B:USR1@300" and "requeue" in sbatch
+    assert sbatch["open-mode"] == "append"  # a requeued run appends to its log
+    assert sbatch["output"] == f"{tmp_path}/run/slurm-%j.out"
+    assert "srun --ntasks-per-node=1 --kill-on-bad-exit=1" in out
+    assert "DS_ACCELERATOR" not in out
+    nodes = re.findall(r"^#   node (\d+): (.*)$", out, re.M)
+    assert [int(n) for n, _ in nodes] == [0, 1, 2, 3]
+    for rank, line in nodes:
+        cmd = shlex.split(line)
+        assert flag(cmd, "--machine_rank") == rank
+        assert flag(cmd, "--num_machines") == "4"
+        assert flag(cmd, "--num_processes") == "32"  # 4 machines x 8 per node
+        assert int(flag(cmd, "--num_processes")) // int(flag(cmd, "--num_machines")) == 8
+        assert flag(cmd, "--main_process_ip") == "<first host of SLURM_JOB_NODELIST>"
+        assert Path(flag(cmd, "--config_file")).name == "gpu_zero1.yaml"
+        assert flag(cmd, "--deepspeed_multinode_launcher") == "standard"
+    # what the batch script runs on each node is the same plan, from SLURM_* at run time
+    run_line = out.split("tpe-launch run ", 1)[1].splitlines()[0]
+    assert "--nodes 4" in run_line and "--gpus-per-node 8" in run_line and "--procs-per-node 8" in run_line
+
+
+def test_dry_run_cpu_sweep_and_eval(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    out = dry_run(["--script", "sweep_positions", "--array", "0,6", "--nodes", "2", "--cpus-per-node", "2",
+                   "--procs-per-node", "2", "--sweep-root", str(tmp_path / "sw")], capsys)  # fmt: skip
+    assert "#SBATCH --array=0,6" in out and "#SBATCH --cpus-per-task=2" in out
+    assert "export DS_ACCELERATOR=cpu" in out
+    assert (
+        f"# run dir [0] none: {tmp_path}/sw/none" in out and f"# run dir [6] rope: {tmp_path}/sw/rope" in out
+    )
+    assert f"--sweep positions --sweep-root {tmp_path}/sw" in out
+    assert f"--output={tmp_path}/sw/slurm-%A_%a.out" in out
+    out = dry_run(["--script", "eval", "--last", "3", f"train.run_dir={tmp_path}/r"], capsys)
+    assert f"tpe-ckpt average {tmp_path}/r --last 3 --out {tmp_path}/r/averaged-last3" in out
+    assert f"tpe-eval --checkpoint {tmp_path}/r/averaged-last3 --json" in out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--preset", "nosuch"], "preset 'nosuch' not found"),
+        (["--nodes", "0"], "--nodes must be at least 1"),
+        (["--gpus-per-node", "-1"], "--gpus-per-node must be 0"),
+        (["--layout", "gpu_zero9"], "layout 'gpu_zero9' not found"),
+        (["--gpus-per-node", "8", "--layout", "cpu_ddp"], "runs on CPUs"),
+        (["model.n_heads=5"], "not divisible by model.n_heads"),
+        (["--array", "0-1"], "--array applies to --script sweep_positions"),
+        (["--script", "sweep_positions", "--array", "3-9"], "index 7, outside the position sweep"),
+        (["--script", "sweep_positions", "model.position.kind=t5"], "sets model.position.kind itself"),
+        (["--time", "4", "--signal-before", "300"], "not shorter than --time"),
+        (["--script", "eval", "--nodes", "2"], "evaluation runs on one node"),
+    ],
+)
+def test_bad_input_is_one_paragraph_and_exit_2(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["submit", *argv, "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith("tpe-launch submit: error: ")
+    assert err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_console_script_exit_code_and_no_traceback() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "submit", "--preset", "nosuch", "--nodes", "2"],
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "preset 'nosuch' not found" in proc.stderr and proc.stdout == ""
+    proc = subprocess.run([sys.executable, "-m", "launcher.cli", "launch"], capture_output=True, text=True)
+    assert proc.returncode == 2 and "unknown command 'launch'" in proc.stderr
+
+
+def test_run_dry_run_from_a_fake_allocation(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    env = slurm_env(SLURM_JOB_NODELIST="node[3-4]", SLURM_NODEID="1", SLURM_NNODES="2",
+                    SLURM_STEP_NUM_TASKS="2", SLURM_ARRAY_TASK_ID="4", SLURM_CPUS_ON_NODE="2")  # fmt: skip
+    monkeypatch.delenv("SLURM_CONF", raising=False)  # scontrol expands the list, or fails and we read it
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    argv = ["run", "--sweep", "positions", "--sweep-root", "/runs/sw", "--dry-run", "train.max_steps=4"]
+    assert main(argv) == 0
+    cmd = shlex.split(capsys.readouterr().out.splitlines()[-1])
+    assert "DS_ACCELERATOR=cpu" in cmd
+    assert flag(cmd, "--machine_rank") == "1" and flag(cmd, "--main_process_ip") == "node3"
+    assert flag(cmd, "--num_processes") == "4"  # 2 nodes x one process per CPU on the node
+    assert cmd[-2:] == ["model.position.kind=t5", "train.run_dir=/runs/sw/t5"]
+
+
+# -- signals and exit codes, with real processes ----------------------------------------------------
+
+# A stand-in for accelerate: an "agent" that starts a "rank" and exits 1 when the rank fails (as
+# torchrun does); the rank installs its SIGUSR1 handler after DELAY seconds, then on SIGUSR1 writes
+# how many it got and exits 75, as the trainer does.
+FAKE_LAUNCH = textwrap.dedent(
+    """
+    import os, signal, subprocess, sys, time
+    if sys.argv[1] == "agent":
+        rank = subprocess.Popen([sys.executable, __file__, "rank", *sys.argv[2:]])
+        sys.exit(0 if rank.wait() == 0 else 1)
+    out, delay = sys.argv[2], float(sys.argv[3])
+    open(out + ".started", "w").close()
+    time.sleep(delay)
+    got = []
+    signal.signal(signal.SIGUSR1, lambda s, f: got.append(s))
+    open(out + ".ready", "w").close()
+    for _ in range(200):
+        if got:
+            time.sleep(0.3)  # "checkpoint"; a second signal now would be counted too
+            open(out, "w").write(str(len(got)))
+            sys.exit(75)
+        time.sleep(0.05)
+    sys.exit(0)
+    """
+)
+
+
+def _start_node_run(tmp_path: Path, delay: float) -> tuple[subprocess.Popen[str], Path]:
+    script = tmp_path / "fake_launch.py"
+    script.write_text(FAKE_LAUNCH)
+    out = tmp_path / "rank.out"
+    driver = (
+        "import os, sys; from launcher.supervise import run_node; "
+        f"sys.exit(run_node([sys.executable, {str(script)!r}, 'agent', {str(out)!r}, '{delay}'], "
+        "{k: v for k, v in os.environ.items() if not k.startswith('SLURM_')}))"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", driver], text=True, stderr=subprocess.PIPE)
+    return proc, out
+
+
+def _wait_for(path: Path, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_node_run_forwards_usr1_and_reports_preemption(tmp_path: Path) -> None:
+    proc, out = _start_node_run(tmp_path, delay=0.0)
+    _wait_for(out.with_suffix(".out.ready"))
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    assert out.read_text() == "1"  # the agent ignored it and lived; the rank got it exactly once
+
+
+def test_a_signal_before_the_handler_reaches_the_rank_once_it_listens(tmp_path: Path) -> None:
+    proc, out = _start_node_run(tmp_path, delay=1.5)
+    _wait_for(out.with_suffix(".out.started"))  # the rank runs but ignores SIGUSR1 for now
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == EXIT_PREEMPTED, err
+    assert out.read_text() == "1"
+
+
+def test_supervisor_passes_failures_through_and_75_outside_slurm() -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    driver = (
+        "import os, sys; from launcher.supervise import supervise_job; "
+        "sys.exit(supervise_job(sys.argv[1:], os.environ))"
+    )
+    for code in (0, 3, 75):
+        proc = subprocess.run(
+            [sys.executable, "-c", driver, sys.executable, "-c", f"raise SystemExit({code})"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        assert proc.returncode == code, proc.stderr
+    assert "run the same command again to resume" in proc.stderr

@@ -1,0 +1,167 @@
+"""The launch layer on a real Slurm cluster: two slurmd on this host (tests/slurm_cluster.py), the real
+templates of slurm/, ``tpe-launch submit``, CPU processes over gloo.
+
+Each job trains the demo preset for a few steps on a tiny corpus; the token store lives in the
+test's temporary directory (``TPE_DATA_CACHE``).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from slurm_cluster import SlurmCluster, slurm_fixture  # noqa: F401  (the session fixture `slurm`)
+
+TINY = [
+    "data.synthetic.train_size=1500",
+    "data.synthetic.valid_size=20",
+    "data.synthetic.test_size=30",
+    "data.synthetic.long_size=10",
+    "data.synthetic.probe_size=10",
+    "data.max_tokens=1024",
+    "eval.at_end=false",
+    "train.valid_bleu_size=0",
+    "train.progress=false",
+    "train.threads=1",
+]
+JOB_TIMEOUT = 240  # seconds; every job also has a Slurm time limit (a hung rendezvous cannot hang CI)
+
+
+def submit(slurm: SlurmCluster, tmp: Path, *argv: str) -> dict[str, str]:
+    """``tpe-launch submit`` against the test cluster; its report as a mapping (job, log, run dir ...)."""
+    env = {**slurm.env, "TPE_DATA_CACHE": str(tmp / "data-cache")}
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "submit", "--time", "10", "--signal-before", "60", *argv],
+        cwd=tmp,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    return dict(line.split(": ", 1) for line in proc.stdout.splitlines())
+
+
+def log_of(report: dict[str, str], index: int | None = None) -> str:
+    path = report["log"].replace("<index>", str(index))
+    return Path(path).read_text(errors="replace") if Path(path).exists() else f"(no log at {path})"
+
+
+def assert_completed(record: dict[str, str], log: str) -> None:
+    assert (record["JobState"], record["ExitCode"]) == ("COMPLETED", "0:0"), log[-4000:]
+
+
+def test_launcher_task_per_node_sees_its_rank_and_the_first_host(slurm: SlurmCluster) -> None:
+    out = slurm.run(
+        "srun", "--nodes=2", "--ntasks-per-node=1", "--time=1", sys.executable, "-m", "launcher.cli",
+        "run", "--dry-run", "--preset", "demo", "train.max_steps=4",
+    )  # fmt: skip
+    first = slurm.run("scontrol", "show", "hostnames", "n[1-2]").split()[0]
+    commands = [shlex.split(line) for line in out.splitlines() if not line.startswith("#")]
+    ranks = sorted(c[c.index("--machine_rank") + 1] for c in commands)
+    assert ranks == ["0", "1"]
+    for cmd in commands:
+        assert cmd[cmd.index("--main_process_ip") + 1] == first == "n1"
+        assert cmd[cmd.index("--num_machines") + 1] == "2"
+        assert cmd[cmd.index("--num_processes") + 1] == "2"  # one CPU process per node
+        assert "DS_ACCELERATOR=cpu" in cmd
+    assert len({c[c.index("--main_process_port") + 1] for c in commands}) == 1
+
+
+def test_two_node_job_trains_over_gloo_and_checkpoints(slurm: SlurmCluster, tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    report = submit(slurm, tmp_path, "--nodes", "2", "--cpus-per-node", "1", *TINY, "train.max_steps=4",
+                    f"train.run_dir={run}")  # fmt: skip
+    assert report["run dir"] == str(run)
+    (record,) = slurm.wait(report["job"], JOB_TIMEOUT)
+    log = log_of(report)
+    assert_completed(record, log)
+    assert record["NumNodes"] == "2"
+    assert "--machine_rank 0" in log and "--machine_rank 1" in log and "--main_process_ip n1" in log
+    assert "world 2 = data-parallel 2" in log  # both nodes' ranks trained together
+    assert (run / "checkpoints" / "step-00000004").is_dir()
+    assert (run / "checkpoint" / "model.safetensors").is_file()
+    assert list((run / "tb").glob("events.out.tfevents.*"))
+
+
+def test_array_trains_two_encodings_into_their_own_run_dirs(slurm: SlurmCluster, tmp_path: Path) -> None:
+    root = tmp_path / "sweep"
+    report = submit(slurm, tmp_path, "--script", "sweep_positions", "--array", "1,6", "--sweep-root",
+                    str(root), *TINY, "train.max_steps=3")  # fmt: skip
+    assert report["run dir [1] sinusoidal"] == str(root / "sinusoidal")
+    assert report["run dir [6] rope"] == str(root / "rope")
+    records = slurm.wait(report["job"], JOB_TIMEOUT)
+    assert sorted(r["ArrayTaskId"] for r in records) == ["1", "6"]
+    for record in records:
+        index = int(record["ArrayTaskId"])
+        assert_completed(record, log_of(report, index))
+        kind = {1: "sinusoidal", 6: "rope"}[index]
+        run = root / kind
+        assert f"kind: {kind}" in (run / "config.yaml").read_text()
+        assert f"position {kind}" in log_of(report, index)
+        assert list((run / "tb").glob("events.out.tfevents.*"))  # one TensorBoard run per encoding
+        assert (run / "checkpoint" / "model.safetensors").is_file()
+
+
+def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """Slurm's warning signal (sent here by hand, as --signal=B:USR1@N would) reaches the batch step;
+    the trainers checkpoint and exit 75, the job is requeued and finishes from its checkpoint: all
+    steps trained, none twice."""
+    run, steps = tmp_path / "run", 16
+    report = submit(slurm, tmp_path, "--nodes", "2", "--cpus-per-node", "1", *TINY,
+                    f"train.max_steps={steps}", "train.log_samples=true", f"train.run_dir={run}")  # fmt: skip
+    job = report["job"]
+    samples = run / "samples" / "rank-00000.jsonl"
+    deadline = time.monotonic() + JOB_TIMEOUT
+    while not (samples.exists() and len(samples.read_text().splitlines()) >= 2):
+        state = slurm.job(job)["JobState"]
+        assert time.monotonic() < deadline and state in ("PENDING", "RUNNING"), log_of(report)
+        time.sleep(0.2)
+    slurm.run("scancel", "--batch", "--signal=USR1", job)
+    # the requeued job waits for its BeginTime (AuthInfo=cred_expire=10 in the test cluster); forcing
+    # StartTime=now races the revoked credential of the first run and kills the restart
+    (record,) = slurm.wait(job, JOB_TIMEOUT)
+    log = log_of(report)
+    assert_completed(record, log)
+    assert record["Restarts"] == "1"
+    stopped = json.loads((run / "preempted.json").read_text())["step"]
+    assert 2 <= stopped < steps, log
+    assert f"preempted at step {stopped}" in log and "requeued" in log
+    assert re.search(rf"resumed from \S*step-{stopped:08d} at step {stopped}\b", log), log[-4000:]
+    for rank in (0, 1):
+        trained = [json.loads(line)["step"] for line in (run / "samples" / f"rank-{rank:05d}.jsonl").open()]
+        assert trained == list(range(1, steps + 1))  # every step once, none repeated after the restart
+    assert json.loads((run / "checkpoint" / "meta.json").read_text())["step"] == steps
+
+
+def test_a_failing_trainer_fails_the_job(slurm: SlurmCluster, tmp_path: Path) -> None:
+    # valid configuration (submit accepts it), but every rank stops at start-up with exit code 2
+    missing = tmp_path / "no-such-checkpoint"
+    report = submit(slurm, tmp_path, "--nodes", "2", "--cpus-per-node", "1", *TINY,
+                    f"train.run_dir={tmp_path / 'run'}", f"train.resume={missing}")  # fmt: skip
+    (record,) = slurm.wait(report["job"], JOB_TIMEOUT)
+    log = log_of(report)
+    assert record["JobState"] == "FAILED", log[-4000:]
+    assert record["ExitCode"] != "0:0" and record.get("Restarts", "0") == "0"
+    assert "no-such-checkpoint" in log  # the trainer's own message is in the job's log
+    assert "the launch failed" in log
+
+
+@pytest.mark.parametrize("nodes", ["0", "-1"])
+def test_bad_resources_are_refused_before_sbatch(slurm: SlurmCluster, tmp_path: Path, nodes: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "submit", "--nodes", nodes],
+        cwd=tmp_path,
+        env=slurm.env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 2 and "--nodes must be at least 1" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not slurm.run("squeue", "-h").strip()  # nothing was submitted
