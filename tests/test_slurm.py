@@ -74,20 +74,48 @@ def test_launcher_task_per_node_sees_its_rank_and_the_first_host(slurm: SlurmClu
     assert len({c[c.index("--main_process_port") + 1] for c in commands}) == 1
 
 
-def test_two_node_job_trains_over_gloo_and_checkpoints(slurm: SlurmCluster, tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    report = submit(slurm, tmp_path, "--nodes", "2", "--cpus-per-node", "1", *TINY, "train.max_steps=4",
-                    f"train.run_dir={run}")  # fmt: skip
+@pytest.fixture(scope="module")
+def two_node_run(
+    slurm: SlurmCluster, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[Path, dict[str, str]]:
+    """A 2-node job of 4 steps over gloo, saving every 2 steps: (its run dir, its submit report)."""
+    tmp = tmp_path_factory.mktemp("two-node")
+    run = tmp / "run"
+    report = submit(slurm, tmp, "--nodes", "2", "--cpus-per-node", "1", *TINY, "train.max_steps=4",
+                    "train.save_every=2", f"train.run_dir={run}")  # fmt: skip
     assert report["run dir"] == str(run)
     (record,) = slurm.wait(report["job"], JOB_TIMEOUT)
+    report["record"] = json.dumps(record)
+    return run, report
+
+
+def test_two_node_job_trains_over_gloo_and_checkpoints(two_node_run: tuple[Path, dict[str, str]]) -> None:
+    run, report = two_node_run
+    record = json.loads(report["record"])
     log = log_of(report)
     assert_completed(record, log)
     assert record["NumNodes"] == "2"
     assert "--machine_rank 0" in log and "--machine_rank 1" in log and "--main_process_ip n1" in log
     assert "world 2 = data-parallel 2" in log  # both nodes' ranks trained together
-    assert (run / "checkpoints" / "step-00000004").is_dir()
+    for step in (2, 4):
+        assert (run / "checkpoints" / f"step-{step:08d}" / "manifest.json").is_file()
     assert (run / "checkpoint" / "model.safetensors").is_file()
     assert list((run / "tb").glob("events.out.tfevents.*"))
+
+
+def test_eval_job_averages_the_last_checkpoints(
+    slurm: SlurmCluster, two_node_run: tuple[Path, dict[str, str]], tmp_path: Path
+) -> None:
+    run, _ = two_node_run
+    report = submit(slurm, tmp_path, "--script", "eval", "--last", "2", *TINY, f"train.run_dir={run}")
+    out = run / "averaged-last2"
+    assert report["averaged"] == str(out)
+    (record,) = slurm.wait(report["job"], JOB_TIMEOUT)
+    log = log_of(report)
+    assert_completed(record, log)
+    assert "averaged step-00000002, step-00000004" in log
+    metrics = json.loads((out / "eval.json").read_text())
+    assert metrics["test_sentences"] == 30 and "bleu" in metrics and "probe_accuracy" in metrics
 
 
 def test_array_trains_two_encodings_into_their_own_run_dirs(slurm: SlurmCluster, tmp_path: Path) -> None:
