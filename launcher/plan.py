@@ -325,7 +325,7 @@ class LaunchPlan:
         return (
             f"node {node.machine_rank} of {node.num_machines} | {res.procs_per_node} "
             f"{'CPU' if res.on_cpu else 'GPU'} processes here, {res.processes} in all | layout "
-            f"{self.layout.name} | main {node.main_ip}:{node.port}"
+            f"{self.layout.name} | main {node.main_ip}:{node.port if node.port else '<a free port>'}"
             + (f" | restart {node.restart}" if node.restart else "")
         )
 
