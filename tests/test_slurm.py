@@ -141,7 +141,7 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, tmp_path: Pa
     """Slurm's warning signal (sent here by hand, as --signal=B:USR1@N would) reaches the batch step;
     the trainers checkpoint and exit 75, the job is requeued and finishes from its checkpoint: all
     steps trained, none twice."""
-    run, steps = tmp_path / "run", 16
+    run, steps = tmp_path / "run", 20
     report = submit(slurm, tmp_path, "--nodes", "2", "--cpus-per-node", "1", *TINY,
                     f"train.max_steps={steps}", "train.log_samples=true", f"train.run_dir={run}")  # fmt: skip
     job = report["job"]
