@@ -15,12 +15,20 @@ import os
 import shlex
 import sys
 from collections.abc import Mapping
+from typing import NoReturn
 
 from launcher.plan import LaunchError, LaunchPlan, Layout, NodeEnv, Resources, sweep_kind, sweep_overrides
 from launcher.submit import SCRIPTS, SubmitArgs, build, dry_run_text, report, submit
 from launcher.supervise import run_node, supervise_job
 
 USAGE = __doc__.split("\n\n")[1]
+
+
+class Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line (see ``main``), not a usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        raise LaunchError(f"{message} (see {self.prog} --help)")
 
 
 def _resource_args(parser: argparse.ArgumentParser) -> None:
@@ -45,7 +53,7 @@ def _resource_args(parser: argparse.ArgumentParser) -> None:
 
 
 def submit_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="tpe-launch submit",
         description="Render a template of slurm/ for a preset and resources and submit it with sbatch; "
         "prints the job id, the log path and the run directory.",
@@ -73,7 +81,7 @@ def submit_parser() -> argparse.ArgumentParser:
 
 
 def run_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = Parser(
         prog="tpe-launch run",
         description="Start this node's share of a run: accelerate launch with machine rank, machine count, "
         "main address and port from SLURM_* (one machine, 127.0.0.1, outside Slurm).",

@@ -252,6 +252,8 @@ def test_dry_run_cpu_sweep_and_eval(capsys: pytest.CaptureFixture[str], tmp_path
     [
         (["--preset", "nosuch"], "preset 'nosuch' not found"),
         (["--nodes", "0"], "--nodes must be at least 1"),
+        (["--nodes", "two"], "argument --nodes: invalid int value: 'two'"),
+        (["--script", "sweep"], "argument --script: invalid choice: 'sweep'"),
         (["--gpus-per-node", "-1"], "--gpus-per-node must be 0"),
         (["--layout", "gpu_zero9"], "layout 'gpu_zero9' not found"),
         (["--gpus-per-node", "8", "--layout", "cpu_ddp"], "runs on CPUs"),
