@@ -126,11 +126,13 @@ def _prime(engine: Engine) -> None:
     fragment of the flat partition. Zeros with step 0 are exactly what that first step would start
     from; the link is DeepSpeed's own."""
     basic = _torch_optimizer(engine.optimizer)
-    for group in basic.param_groups:
-        for p in group["params"]:
-            if not basic.state.get(p):
-                basic.state[p] = {"step": torch.tensor(0.0), **{m: torch.zeros_like(p) for m in MOMENTS}}
-    link = getattr(getattr(engine.optimizer, "optimizer", None), "_lazy_init_hp_params_optimizer_state", None)
+    zero = getattr(engine.optimizer, "optimizer", None)
+    tensors = [p for group in basic.param_groups for p in group["params"]]
+    tensors += list(getattr(zero, "fp32_partitioned_groups_flat", []))  # ZeRO-3 swaps these in per step
+    for p in tensors:
+        if not basic.state.get(p):
+            basic.state[p] = {"step": torch.tensor(0.0), **{m: torch.zeros_like(p) for m in MOMENTS}}
+    link = getattr(zero, "_lazy_init_hp_params_optimizer_state", None)
     if link is not None:
         link()
 
