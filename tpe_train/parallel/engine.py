@@ -58,6 +58,7 @@ class Engine:
             _register_external(self.module)
         if deepspeed is not None:
             share_fp32_master(self.optimizer)
+            _record_stage0_norm(self.model)
 
     @property
     def module(self) -> nn.Module:
@@ -175,6 +176,20 @@ def share_fp32_master(optimizer: Any) -> int:
     if saved and hasattr(zero, "single_partition_of_fp32_groups"):
         zero._link_all_hp_params()  # ZeRO-1/2 keep views of the master per parameter: point them anew
     return saved
+
+
+def _record_stage0_norm(engine: Any) -> None:
+    """Without ZeRO, DeepSpeed computes the gradient norm to clip (its own TP-aware ``clip_grad_norm_``)
+    and drops it, so ``get_global_grad_norm()`` is None. Keep it, as the ZeRO optimizers do."""
+    if engine.zero_optimization_stage() != 0 or not hasattr(engine, "clip_fp32_gradients"):
+        return
+    from deepspeed.runtime.utils import clip_grad_norm_
+
+    def clip_and_record() -> None:
+        limit, params = engine.gradient_clipping(), engine.module.parameters()
+        engine._global_grad_norm = clip_grad_norm_(params, max_norm=limit, mpu=engine.mpu)
+
+    engine.clip_fp32_gradients = clip_and_record
 
 
 def _register_external(module: nn.Module) -> None:
