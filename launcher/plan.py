@@ -27,7 +27,6 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT_DIR = ROOT / "configs" / "accelerate"
-EXIT_PREEMPTED = 75  # the trainer's exit code after a preemption checkpoint (EX_TEMPFAIL)
 POSITION_SWEEP = ("none", "sinusoidal", "learned", "shaw", "t5", "alibi", "rope")  # array index -> kind
 PORT_BASE, PORT_SPAN = 20000, 10000  # job ports: 20000 + job id % 10000, below the ephemeral range
 LOCAL_PORT = 0  # outside Slurm: accelerate picks a free port

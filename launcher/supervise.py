@@ -29,7 +29,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
-from launcher.plan import EXIT_PREEMPTED
+from tpe_train.exits import EXIT_PREEMPTED
 
 FORWARD_AFTER_S = 5.0  # srun needs its tasks running (and their handlers installed) to pass USR1 on
 

@@ -17,7 +17,6 @@ import pytest
 
 from launcher.cli import main
 from launcher.plan import (
-    EXIT_PREEMPTED,
     POSITION_SWEEP,
     ROOT,
     LaunchError,
@@ -31,6 +30,7 @@ from launcher.plan import (
     sweep_overrides,
 )
 from launcher.submit import array_indices, render, time_seconds
+from tpe_train.exits import EXIT_PREEMPTED
 from tpe_train.positions import POSITIONS
 
 

@@ -29,15 +29,13 @@ from tpe_train.config import Config, ConfigError, load_config
 from tpe_train.data.corpus import Prepared, TrainBatches, prepare
 from tpe_train.data.sources import CorpusError
 from tpe_train.evaluate import evaluate, format_table
+from tpe_train.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layout
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report
 from tpe_train.parallel.plan import shard_positions
 from tpe_train.step import inverse_sqrt, seed_everything, train_step, validate
-
-#: Exit status after a preemption signal (SIGTERM, SIGUSR1): the checkpoint is saved, requeue the job.
-EXIT_PREEMPTED = 75
 
 
 class Preempted(Exception):
@@ -264,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CorpusError, CheckpointError) as err:  # reported, never a traceback
         if main_rank:
             print(f"tpe-train: {err}", file=sys.stderr)
-        return 2
+        return EXIT_BAD_INPUT
     except Preempted:
         return EXIT_PREEMPTED
     return 0
