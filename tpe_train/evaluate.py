@@ -1,11 +1,16 @@
 """Translate and score: sacreBLEU (with signature), chrF, exact match, word-order probe accuracy,
-BLEU by source-length bucket. ``tpe-eval --checkpoint DIR [--json]``."""
+BLEU by source-length bucket, and the papers' tokenized BLEU with compound splitting (real corpora).
+``tpe-eval --checkpoint DIR [--json]``."""
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
+import re
 import sys
+import unicodedata
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -60,12 +65,177 @@ def bleu_score(hyps: list[str], refs: list[str], pretokenized: bool = False) -> 
     return score.score, str(metric.get_signature())
 
 
+# --- The papers' BLEU: Moses tokenization, compound splitting, multi-bleu.perl --------------------------
+# Vaswani et al. 2017 and the works set beside it score En-De as tensor2tensor's get_ende_bleu.sh and
+# fairseq's compound_split_bleu.sh do: both sides tokenized by Moses' tokenizer.perl (-l de, default
+# escaping, no -a), hyphenated compounds split as "rich ##AT##-##AT## text", then multi-bleu.perl
+# (case-sensitive corpus BLEU on whitespace tokens, no smoothing). Not comparable to sacreBLEU.
+
+
+def _prefixes(always: str, before_numbers: str) -> dict[str, int]:
+    """Single capitals (initials) and ``always`` keep their period (1); ``before_numbers`` only
+    before a number (2)."""
+    table = {chr(c): 1 for c in range(ord("A"), ord("Z") + 1)}
+    table.update({word: 1 for word in always.split()})
+    table.update({word: 2 for word in before_numbers.split()})
+    return table
+
+
+#: Words whose final period is not split off by the tokenizer (1), or only before a number (2). A short
+#: list of common abbreviations written for this project, smaller than Moses' files: a rare abbreviation
+#: followed by a capitalised word may be split where tokenizer.perl keeps it (both sides alike).
+NONBREAKING: dict[str, dict[str, int]] = {
+    "en": _prefixes(
+        "Mr Mrs Ms Dr Prof Sr Jr St Mt Gen Gov Sen Rep Rev Capt Col Lt Sgt Inc Ltd Co vs e.g i.e "
+        "Jan Feb Mar Apr Jun Jul Aug Sep Sept Oct Nov Dec",
+        "No Nos Art Nr pp",
+    ),
+    "de": _prefixes(
+        "Dr Prof Hr Fr Frl St Abt Bd bzw ca evtl ggf inkl Jh Jhd Mio Mrd usw vgl "
+        "Jan Feb Mär Apr Jun Jul Aug Sep Sept Okt Nov Dez",
+        "Nr Art Abs S",
+    ),
+    "fr": _prefixes(
+        "M MM Mme Mmes Mlle Dr Pr St Ste Me Mgr etc cf janv févr avr juil sept oct nov déc",
+        "No no n° art p",
+    ),
+}
+
+
+@functools.cache
+def _class(prop: str) -> str:
+    """The body of a regex character class holding the code points of a Unicode property (planes 0-1):
+    ``alpha`` (letters), ``alnum`` (letters and decimal digits), ``number`` (category N)."""
+    tests: dict[str, Callable[[str], bool]] = {
+        "alpha": str.isalpha,
+        "alnum": lambda c: c.isalpha() or unicodedata.category(c) == "Nd",
+        "number": lambda c: unicodedata.category(c).startswith("N"),
+    }
+    test, ranges, start = tests[prop], [], -1
+    for cp in range(0x20001):
+        inside = cp < 0x20000 and test(chr(cp))
+        if inside and start < 0:
+            start = cp
+        elif not inside and start >= 0:
+            ranges.append((start, cp - 1))
+            start = -1
+    return "".join(re.escape(chr(a)) + (f"-{re.escape(chr(b))}" if b > a else "") for a, b in ranges)
+
+
+@functools.cache
+def _moses_rules(lang: str) -> list[tuple[re.Pattern[str], str]]:
+    """tokenizer.perl's substitutions up to the word loop, in its order, for ``lang``."""
+    alpha, alnum, num = _class("alpha"), _class("alnum"), _class("number")
+    rules = [
+        (rf"([^{alnum}\s.'`,\-])", r" \1 "),  # every other special character is a token
+        (r"\.(\.+)", r" DOTMULTI\1"),  # multi-dots stay together (finished below)
+    ]
+    rules += [
+        (rf"([^{num}]),", r"\1 , "),  # commas, except inside numbers (5,300)
+        (rf",([^{num}])", r" , \1"),
+        (rf"([{num}]),$", r"\1 ,"),
+    ]
+    if lang == "en":  # contractions split to the right: don 't
+        rules += [
+            (rf"([^{alpha}])'([^{alpha}])", r"\1 ' \2"),
+            (rf"([^{alpha}{num}])'([{alpha}])", r"\1 ' \2"),
+            (rf"([{alpha}])'([^{alpha}])", r"\1 ' \2"),
+            (rf"([{alpha}])'([{alpha}])", r"\1 '\2"),
+            (rf"([{num}])'(s)", r"\1 '\2"),
+        ]
+    elif lang in ("fr", "it", "ga", "ca"):  # contractions split to the left: l' homme
+        rules += [
+            (rf"([^{alpha}])'([^{alpha}])", r"\1 ' \2"),
+            (rf"([^{alpha}])'([{alpha}])", r"\1 ' \2"),
+            (rf"([{alpha}])'([^{alpha}])", r"\1 ' \2"),
+            (rf"([{alpha}])'([{alpha}])", r"\1' \2"),
+        ]
+    else:
+        rules.append((r"'", " ' "))
+    return [(re.compile(pattern), repl) for pattern, repl in rules]
+
+
+_ESCAPES = [("&", "&amp;"), ("|", "&#124;"), ("<", "&lt;"), (">", "&gt;"), ("'", "&apos;"), ('"', "&quot;"),
+            ("[", "&#91;"), ("]", "&#93;")]  # fmt: skip
+
+
+def _keeps_period(pre: str, nxt: str, prefixes: dict[str, int]) -> bool:
+    """tokenizer.perl: ``pre.`` stays one token before the word ``nxt`` when it is an abbreviation
+    (holds a period and a letter, or is listed), when a lowercase word follows, or when a number follows
+    a prefix listed for numbers."""
+    if ("." in pre and re.search(f"[{_class('alpha')}]", pre)) or prefixes.get(pre) == 1:
+        return True
+    return nxt[:1].islower() or (prefixes.get(pre) == 2 and re.match("[0-9]", nxt) is not None)
+
+
+def moses_tokenize(text: str, lang: str) -> str:
+    """One line tokenized as Moses' ``tokenizer.perl -l LANG`` does (default escaping, no -a)."""
+    text = re.sub(r"\s+", " ", f" {text} ")
+    text = re.sub(r"[\x00-\x1f]", "", text).strip(" ")
+    if not text:
+        return ""
+    rules = _moses_rules(lang)
+    for pattern, repl in rules[:2]:
+        text = pattern.sub(repl, text)
+    while "DOTMULTI." in text:
+        text = re.sub(r"DOTMULTI\.([^.])", r"DOTDOTMULTI \1", text)
+        text = text.replace("DOTMULTI.", "DOTDOTMULTI")
+    for pattern, repl in rules[2:]:
+        text = pattern.sub(repl, text)
+    prefixes = NONBREAKING.get(lang, NONBREAKING["en"])
+    words = text.split(" ")
+    while words and not words[-1]:  # Perl's split drops trailing empty fields
+        words.pop()
+    for i, word in enumerate(words):
+        m = re.fullmatch(r"(\S+)\.", word)
+        if m is None:
+            continue
+        pre = m.group(1)
+        if i + 1 == len(words) or not _keeps_period(pre, words[i + 1], prefixes):
+            words[i] = f"{pre} ."  # the last word is a sentence end, never an abbreviation
+    text = re.sub(" +", " ", " ".join(words)).strip(" ")
+    text = re.sub(r"\.' ?$", " . ' ", text, count=1)
+    while "DOTDOTMULTI" in text:
+        text = text.replace("DOTDOTMULTI", "DOTMULTI.")
+    text = text.replace("DOTMULTI", ".")
+    for char, escaped in _ESCAPES:
+        text = text.replace(char, escaped)
+    return text.strip(" ")
+
+
+def compound_split(text: str) -> str:
+    """``perl -ple 's{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g'``: rich-text -> rich ##AT##-##AT## text.
+    Like the Perl, matches do not overlap: a-b-c -> a ##AT##-##AT## b-c."""
+    return re.sub(r"(\S)-(\S)", r"\1 ##AT##-##AT## \2", text)
+
+
+def tokenized_bleu(
+    hyps: list[str], refs: list[str], lang: str, split_compounds: bool | None = None
+) -> tuple[float, str]:
+    """The papers' BLEU and a description of how it was computed: both sides Moses-tokenized for
+    ``lang``, compounds split (default: German targets, as get_ende_bleu.sh), then multi-bleu.perl's
+    corpus BLEU on whitespace tokens (case-sensitive, no smoothing)."""
+    split = lang == "de" if split_compounds is None else split_compounds
+
+    def prepare(lines: list[str]) -> list[str]:
+        out = [moses_tokenize(line, lang) for line in lines]
+        return [compound_split(line) for line in out] if split else out
+
+    metric = BLEU(tokenize="none", smooth_method="none", force=True)
+    score = metric.corpus_score(prepare(hyps), [prepare(refs)]).score
+    method = f"moses-tok:{lang}" + ("+compound-split" if split else "") + "|multi-bleu"
+    return score, method
+
+
 def _bucket_name(lo: int, hi: int | None) -> str:
     return f"{lo}-{hi}" if hi is not None else f"{lo}+"
 
 
-def evaluate(model: Transformer, tok: Tokenizer, splits: Splits, ecfg: EvalConfig) -> dict[str, Any]:
-    """All figures of a model on the test, extrapolation and probe sets."""
+def evaluate(
+    model: Transformer, tok: Tokenizer, splits: Splits, ecfg: EvalConfig, lang: str | None = None
+) -> dict[str, Any]:
+    """All figures of a model on the test, extrapolation and probe sets. With ``lang`` (the target
+    language) and a real corpus, also the papers' tokenized BLEU (``bleu_tokenized``)."""
     test_src = [s for s, _ in splits.test]
     test_ref = [t for _, t in splits.test]
     long_src = [s for s, _ in splits.long]
@@ -114,7 +284,7 @@ def evaluate(model: Transformer, tok: Tokenizer, splits: Splits, ecfg: EvalConfi
             if unrepresentable:
                 entry["unrepresentable"] = unrepresentable
         buckets[_bucket_name(lo, hi)] = entry
-    return {
+    metrics: dict[str, Any] = {
         "bleu": bleu,
         "bleu_signature": signature,
         "chrf": chrf,
@@ -124,6 +294,10 @@ def evaluate(model: Transformer, tok: Tokenizer, splits: Splits, ecfg: EvalConfi
         "test_sentences": len(test_src),
         "bleu_by_length": buckets,
     }
+    if lang is not None and not splits.pretokenized:  # the synthetic corpus is tokenized already
+        tok_bleu, method = tokenized_bleu(text(test_hyp), test_ref, lang)
+        metrics["bleu_tokenized"], metrics["bleu_tokenized_method"] = tok_bleu, method
+    return metrics
 
 
 def format_table(metrics: dict[str, Any]) -> str:
@@ -139,6 +313,10 @@ def format_table(metrics: dict[str, Any]) -> str:
             else f"{100 * metrics['probe_accuracy']:.1f}% of {metrics['probe_pairs']} pairs",
         ),
     ]
+    if metrics.get("bleu_tokenized") is not None:
+        rows.append(
+            (f"BLEU tokenized ({metrics['bleu_tokenized_method']})", f"{metrics['bleu_tokenized']:.2f}")
+        )
     for name, entry in metrics["bleu_by_length"].items():
         value = "n/a (too long)" if entry["bleu"] is None else f"{entry['bleu']:.2f}"
         rows.append((f"BLEU, source {name} words", f"{value}  ({entry['sentences']} sent.)"))
@@ -173,7 +351,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.eval.beam = args.beam
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    metrics = evaluate(model, tok, test_splits(cfg.data), cfg.eval)
+    metrics = evaluate(model, tok, test_splits(cfg.data), cfg.eval, lang=cfg.data.tgt_lang)
     print(json.dumps(metrics) if args.json else format_table(metrics))
     return 0
 
