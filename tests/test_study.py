@@ -1,0 +1,284 @@
+"""The study: the papers' tokenized BLEU against hand-computed values, settings and their errors, the
+report from hand-written figures, a Slurm submission (dry run), and a tiny real study end to end."""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tpe_train.evaluate import compound_split, moses_tokenize, tokenized_bleu
+from tpe_train.study.cli import main
+from tpe_train.study.grid import Setting, Study, parse_seeds, parse_setting, setting_of
+from tpe_train.study.plots import _cosine
+from tpe_train.study.report import write_report
+
+PNG = b"\x89PNG\r\n\x1a\n"
+PLOTS = ("bleu_per_encoding", "bleu_by_length", "probe_accuracy", "position_similarity")
+
+# ---------------------------------------------------------------------------------------------------
+# Tokenized BLEU with compound splitting (get_ende_bleu.sh / compound_split_bleu.sh)
+
+
+@pytest.mark.parametrize(
+    ("text", "lang", "tokens"),
+    [
+        ("Das ist ein rich-text Format, oder?", "de", "Das ist ein rich-text Format , oder ?"),
+        (
+            'Toms "Haus" & <b> [x] |y',
+            "de",
+            "Toms &quot; Haus &quot; &amp; &lt; b &gt; &#91; x &#93; &#124; y",
+        ),
+        ("Er sagte... nein.", "de", "Er sagte ... nein ."),
+        ("5,300 Euro, 1,5 Mio. Menschen.", "de", "5,300 Euro , 1,5 Mio. Menschen ."),  # Mio. is listed
+        ("Dr. Müller kam z.B. gestern an.", "de", "Dr. Müller kam z.B. gestern an ."),
+        ("Es ist gut. Wir gehen.", "de", "Es ist gut . Wir gehen ."),
+        ("Nr. 5 und Nr. Drei.", "de", "Nr. 5 und Nr . Drei ."),  # Nr. stays before numbers only
+        ("Sie sagte 'ja'.", "de", "Sie sagte &apos; ja &apos; ."),  # de: every apostrophe a token
+        ("I don't know the 1990's.", "en", "I don &apos;t know the 1990 &apos;s ."),  # en: split right
+        ("l'homme d'affaires", "fr", "l&apos; homme d&apos; affaires"),  # fr: split left
+        ("  (Hallo)\tWelt  ", "de", "( Hallo ) Welt"),
+    ],
+)
+def test_moses_tokenizer_by_hand(text: str, lang: str, tokens: str) -> None:
+    assert moses_tokenize(text, lang) == tokens
+
+
+def test_compound_split_by_hand() -> None:
+    assert compound_split("rich-text format") == "rich ##AT##-##AT## text format"
+    assert compound_split("E-Mail-Programm") == "E ##AT##-##AT## Mail ##AT##-##AT## Programm"
+    # like Perl's s{(\S)-(\S)}{...}g matches do not overlap: a one-letter middle keeps its hyphen
+    assert compound_split("a-b-c") == "a ##AT##-##AT## b-c"
+    assert compound_split("Berlin - Paris , -5") == "Berlin - Paris , -5"  # only hyphens inside words
+
+
+def test_tokenized_bleu_by_hand() -> None:
+    ref = ["Das neue E-Mail-Programm ist sehr gut."]
+    hyp = ["Das neue E-Mail-Programm ist gut."]
+    # split: ref 11 tokens, hyp 10: Das neue E ##AT##-##AT## Mail ##AT##-##AT## Programm ist gut .
+    # matches 10/10, 8/9, 6/8, 5/7; brevity penalty exp(1 - 11/10)
+    expected = 100 * math.exp(1 - 11 / 10) * (1 * 8 / 9 * 6 / 8 * 5 / 7) ** 0.25
+    score, method = tokenized_bleu(hyp, ref, "de")
+    assert score == pytest.approx(expected, rel=1e-9)
+    assert method == "moses-tok:de+compound-split|multi-bleu"
+    # unsplit: ref 7 tokens, hyp 6; matches 6/6, 4/5, 2/4, 1/3; brevity penalty exp(1 - 7/6)
+    expected = 100 * math.exp(1 - 7 / 6) * (1 * 4 / 5 * 2 / 4 * 1 / 3) ** 0.25
+    assert tokenized_bleu(hyp, ref, "de", split_compounds=False)[0] == pytest.approx(expected, rel=1e-9)
+    # multi-bleu: no smoothing, so a missing 4-gram match gives 0; the same text gives 100
+    assert tokenized_bleu(["ein Hund ."], ["ein Hund lief ."], "de")[0] == 0.0
+    assert tokenized_bleu(ref, ref, "de")[0] == pytest.approx(100.0)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Settings, seeds and the errors of tpe-study
+
+
+def test_settings_name_the_encoding_and_where_positions_are_removed() -> None:
+    assert parse_setting("rope") == Setting("rope")
+    noenc = parse_setting("sinusoidal-noenc")
+    assert noenc.overrides() == [
+        "model.position.kind=sinusoidal",
+        "model.position.encoder=false",
+        "model.position.decoder=true",
+    ]
+    study = Study(Path("s"), "demo", settings=["learned-nodec"], seeds=[4])
+    cfg = study.config(parse_setting("learned-nodec"), 4)
+    args = cfg.model.args(vocab_size=100, pad_id=0, bos_id=1, eos_id=2)
+    assert (args.encoder_position, args.decoder_position) == ("learned", "none")
+    assert setting_of(cfg) == Setting("learned", "nodec") and cfg.train.seed == 4
+    assert study.run_dir(noenc, 2) == Path("s/runs/s2-noenc/sinusoidal")
+    assert parse_seeds("1-3,7") == [1, 2, 3, 7]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--encodings", "rotary"], "'rotary' is not a position encoding"),
+        (["--encodings", "none-noenc"], "'none' has no positions to remove"),
+        (["train.seed=3"], "the study sets train.seed itself"),
+        (["--seeds", "1,x"], "is not a list of seeds"),
+        (["model.n_heds=4"], "unknown key 'model.n_heds'"),
+    ],
+)
+def test_bad_input_is_one_message_and_exit_2(
+    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["run", "--preset", "demo", "--out", str(tmp_path / "s"), "--dry-run", *argv]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not (tmp_path / "s").exists()  # nothing written
+
+
+def test_slurm_submission_is_one_array_per_seed_and_variant(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "study"
+    argv = ["run", "--preset", "demo", "--encodings", "sinusoidal,rope,sinusoidal-noenc", "--seeds", "1,2",
+            "--out", str(out), "--slurm", "--slurm-args", "--gpus-per-node 8 --time 4:00:00",
+            "--average", "5", "--dry-run", "train.max_steps=100"]  # fmt: skip
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    # tpe-launch's position sweep: index 1 sinusoidal, 6 rope; the seed's directory is the sweep root
+    assert text.count("#SBATCH --array=1,6") == 2 and text.count("#SBATCH --array=1\n") == 2
+    assert f"--sweep-root {out.resolve()}/runs/s2 " in text
+    assert f"--sweep-root {out.resolve()}/runs/s1-noenc " in text
+    assert "model.position.encoder=false" in text and "train.seed=2" in text
+    # averaging: one eval job per run after its own array element
+    assert text.count("tpe-ckpt average") == 6
+    assert "#SBATCH --dependency=afterok:<array job>_6" in text
+    assert f"{out.resolve()}/runs/s1/rope/averaged-last5/eval.json" in text
+    assert not out.exists()  # a dry run writes nothing
+
+
+# ---------------------------------------------------------------------------------------------------
+# The report from hand-written figures (no training)
+
+
+def _figures(bleu: float, buckets: dict[str, float | None], probe: float | None = 0.5) -> dict[str, object]:
+    by_length: dict[str, dict[str, object]] = {}
+    for name, value in buckets.items():
+        by_length[name] = {"sentences": 10, "bleu": value}
+        if value is None:
+            by_length[name]["note"] = "longer than the encoder's position encoding can represent"
+    return {
+        "bleu": bleu,
+        "chrf": 2 * bleu,
+        "exact_match": 0.25,
+        "probe_accuracy": probe,
+        "probe_pairs": 4,
+        "test_sentences": 20,
+        "bleu_by_length": by_length,
+        "bleu_signature": "nrefs:1|tok:13a",
+    }
+
+
+def test_report_means_deviations_and_unrepresentable_lengths(tmp_path: Path) -> None:
+    study = Study(tmp_path / "study", "demo", settings=["rope", "learned"], seeds=[1, 2, 3])
+    study.save()
+    values = {("rope", 1): 10.0, ("rope", 2): 20.0, ("learned", 1): 30.0, ("learned", 2): 33.0}
+    for (name, seed), bleu in values.items():
+        long = None if name == "learned" else bleu / 2  # the learned table cannot represent 21+
+        path = study.eval_path(parse_setting(name), seed)
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(_figures(bleu, {"1-10": bleu, "11-20": bleu, "21+": long})))
+    report = write_report(study).read_text()
+    rows: dict[str, str] = {}
+    for line in report.splitlines():  # the first row of a setting is the table's; later ones list runs
+        if line.startswith("| `"):
+            rows.setdefault(line.split(" | ")[0][3:-1], line)
+    # mean ± sample standard deviation over the two seeds present
+    assert rows["rope"].startswith("| `rope` | 2 | 15.0 ± 7.1 | 30.0 ± 14.1 | 25.0% ± 0.0 | 50.0% ± 0.0 |")
+    assert rows["rope"].endswith("| 7.5 ± 3.5 |")
+    assert rows["learned"].endswith("| too long |") and "31.5 ± 2.1" in rows["learned"]
+    assert "2 runs have no figures yet" in report and "4 of 6 runs have figures" in report
+    summary = json.loads((study.report_dir / "summary.json").read_text())
+    rope = summary["settings"]["rope"]
+    assert rope["bleu"]["mean"] == pytest.approx(15.0)
+    assert rope["bleu"]["sd"] == pytest.approx(statistics.stdev([10.0, 20.0]))
+    assert summary["settings"]["learned"]["too_long"] == {"21+": 10}
+    for stem in ("bleu_per_encoding", "bleu_by_length", "probe_accuracy"):
+        assert (study.report_dir / f"{stem}.png").read_bytes().startswith(PNG)
+    # no exported checkpoints here: the heat map is left out, and the report says so
+    assert "no exported `learned` checkpoint yet" in report
+
+
+def test_position_similarity_is_cosine_between_rows() -> None:
+    table = torch.tensor([[1.0, 0.0], [0.0, 2.0], [-3.0, 0.0]])
+    assert _cosine(table).tolist() == [[1.0, 0.0, -1.0], [0.0, 1.0, 0.0], [-1.0, 0.0, 1.0]]
+
+
+# ---------------------------------------------------------------------------------------------------
+# A tiny real study: 2 encodings x 2 seeds, trained, evaluated, reported
+
+TINY = [
+    "data.synthetic.train_size=300",
+    "data.synthetic.valid_size=10",
+    "data.synthetic.test_size=20",
+    "data.synthetic.long_size=6",
+    "data.synthetic.probe_size=6",
+    "data.synthetic.max_words=12",
+    "data.synthetic.long_max_words=16",
+    "data.vocab_size=200",
+    "data.max_tokens=1024",
+    "model.d_model=32",
+    "model.ffn_dim=64",
+    "model.encoder_layers=1",
+    "model.decoder_layers=1",
+    "train.max_steps=2",
+    "train.valid_bleu_size=0",
+    "eval.beam=1",
+    "eval.length_buckets=[6,12]",
+]
+
+
+@pytest.fixture(scope="module")
+def study_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("study") / "tiny"
+    cmd = [sys.executable, "-m", "tpe_train.study.cli", "run", "--preset", "demo", "--seeds", "1,2",
+           "--encodings", "sinusoidal,learned", "--out", str(out), "--heatmap-positions", "40",
+           *TINY]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "[4/4] learned seed 2: BLEU" in proc.stdout
+    return out
+
+
+def test_study_trains_every_cell_and_writes_the_table(study_dir: Path) -> None:
+    for seed in (1, 2):
+        for kind in ("sinusoidal", "learned"):
+            run = study_dir / "runs" / f"s{seed}" / kind
+            assert (run / "eval.json").is_file() and (run / "checkpoint" / "model.safetensors").is_file()
+            assert f"model.position.kind={kind}" in (run / "study.log").read_text()
+    report = (study_dir / "report" / "report.md").read_text()
+    assert "| setting | seeds | BLEU | chrF | exact match | word-order probe | 1-6 | 7-12 | 13+ † |" in report
+    assert "4 of 4 runs have figures" in report and "at most 12 words" in report
+    evals = {k: [json.loads((study_dir / f"runs/s{s}/{k}/eval.json").read_text()) for s in (1, 2)]
+             for k in ("sinusoidal", "learned")}  # fmt: skip
+    summary = json.loads((study_dir / "report" / "summary.json").read_text())["settings"]
+    for kind, figures in evals.items():
+        bleus = [f["bleu"] for f in figures]
+        assert summary[kind]["bleu"]["mean"] == pytest.approx(statistics.fmean(bleus))
+        assert summary[kind]["bleu"]["sd"] == pytest.approx(statistics.stdev(bleus))
+        row = next(line for line in report.splitlines() if line.startswith(f"| `{kind}` | 2 |"))
+        assert f"{statistics.fmean(bleus):.1f} ± {statistics.stdev(bleus):.1f}" in row
+
+
+def test_study_plots_are_png_files_and_tensorboard_images(study_dir: Path) -> None:
+    report = study_dir / "report"
+    for stem in PLOTS:
+        data = (report / f"{stem}.png").read_bytes()
+        assert data.startswith(PNG) and len(data) > 1000, stem
+        assert f"![{stem.replace('_', ' ')}]({stem}.png)" in (report / "report.md").read_text()
+    events = EventAccumulator(str(report / "tb"), size_guidance={"images": 0})
+    events.Reload()
+    assert sorted(events.Tags()["images"]) == sorted(f"study/{stem}" for stem in PLOTS)
+    for stem in PLOTS:
+        (image,) = events.Images(f"study/{stem}")
+        assert image.encoded_image_string.startswith(PNG) and image.width > 100 and image.height > 100
+
+
+def test_report_regathers_an_existing_study_without_training(
+    study_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    report = study_dir / "report"
+    before = (report / "report.md").read_text()
+    for path in report.glob("*.png"):
+        path.unlink()
+    (report / "report.md").unlink()
+    assert main(["report", str(study_dir), "--heatmap-positions", "40"]) == 0
+    assert (report / "report.md").read_text() == before
+    assert all((report / f"{stem}.png").read_bytes().startswith(PNG) for stem in PLOTS)
+    assert len(list((report / "tb").glob("events.out.tfevents.*"))) == 1  # replaced, not added to
+    # running the same study again trains nothing: every run has its figures
+    assert main(["run", "--preset", "demo", "--encodings", "sinusoidal,learned", "--seeds", "1,2",
+                 "--out", str(study_dir), "--no-report", *TINY]) == 0  # fmt: skip
+    assert capsys.readouterr().out.count("done already") == 4
+    assert main(["report", str(study_dir / "runs")]) == 2
+    assert "is not a study directory" in capsys.readouterr().err

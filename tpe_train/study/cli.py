@@ -1,0 +1,162 @@
+"""``tpe-study``: run a grid of position-encoding settings x seeds from one preset, then report.
+
+    tpe-study run --preset P [--encodings a,b,...] [--seeds 1,2,3] [--out DIR] [overrides ...]
+    tpe-study run ... --launch configs/accelerate/cpu_ddp.yaml      # each run under accelerate launch
+    tpe-study run ... --slurm --slurm-args "--gpus-per-node 8 --time 24:00:00"   # Slurm job arrays
+    tpe-study report DIR                                             # gather again, no training
+
+Settings: <kind> (none, sinusoidal, learned, shaw, t5, rope, alibi), <kind>-noenc (no position
+information in the encoder only), <kind>-nodec (none in the decoder only). Bad input stops with one
+paragraph on stderr and exit code 2 before any work; a failed run makes the exit code 1; a preempted
+run stops the study with 75 (run the same command again to resume).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+from typing import NoReturn
+
+from tpe_train.study.grid import ENCODINGS, Study, StudyError, parse_seeds, parse_setting
+
+
+class Parser(argparse.ArgumentParser):
+    """Argument errors are one line (see ``main``), not a usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        raise StudyError(f"{message} (see {self.prog} --help)")
+
+
+def run_parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="tpe-study run",
+        description="Train every setting x seed of the grid from one preset (skipping runs that have "
+        "their figures), then write the report. Each run is python -m tpe_train.train --preset P "
+        "[overrides] model.position.kind=K train.seed=S train.run_dir=DIR/runs/s<S>/<K>.",
+    )
+    p.add_argument("--preset", default="demo", help="preset name in configs/presets or a YAML path")
+    p.add_argument(
+        "--encodings",
+        default=",".join(ENCODINGS),
+        help="comma-separated settings: <kind>, <kind>-noenc, <kind>-nodec (default: the seven kinds)",
+    )
+    p.add_argument("--seeds", default="1,2,3", help="seeds, e.g. 1,2,3 or 1-3 (default 1,2,3)")
+    p.add_argument("--out", default=None, help="study directory (default runs/study-<preset>)")
+    p.add_argument(
+        "--launch", default=None, help="accelerate launch file for every run (configs/accelerate/)"
+    )
+    p.add_argument(
+        "--average",
+        type=int,
+        default=0,
+        help="average the last N checkpoints of each run and report that model (papers: 5 base, 20 big)",
+    )
+    p.add_argument(
+        "--slurm", action="store_true", help="submit job arrays with tpe-launch instead of running"
+    )
+    p.add_argument(
+        "--slurm-args",
+        default="",
+        help='tpe-launch submit options, one string: "--nodes 1 --gpus-per-node 8 --time 24:00:00 ..."',
+    )
+    p.add_argument("--dry-run", action="store_true", help="print what would run or be submitted; do nothing")
+    p.add_argument("--verbose", action="store_true", help="show every run's output (always in its study.log)")
+    p.add_argument("--no-report", action="store_true", help="do not write the report after the runs")
+    p.add_argument("--heatmap-positions", type=int, default=128, help="positions in the similarity heat maps")
+    p.add_argument(
+        "overrides", nargs="*", help="dotted config overrides for every run, e.g. train.max_steps=600"
+    )
+    return p
+
+
+def report_parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="tpe-study report",
+        description="Gather a study directory again: markdown table, summary.json, PNG plots and TensorBoard "
+        "images under DIR/report (no training).",
+    )
+    p.add_argument("study_dir")
+    p.add_argument("--heatmap-positions", type=int, default=128, help="positions in the similarity heat maps")
+    return p
+
+
+def cmd_run(argv: list[str]) -> int:
+    from tpe_train.study.runner import run_local, submit_slurm
+
+    args = run_parser().parse_intermixed_args(argv)
+    settings = [s.strip() for s in args.encodings.split(",") if s.strip()]
+    for name in settings:
+        parse_setting(name)
+    if len(set(settings)) != len(settings):
+        raise StudyError(f"--encodings {args.encodings!r} names a setting twice")
+    preset = str(Path(args.preset).resolve()) if Path(args.preset).is_file() else args.preset
+    out = Path(args.out or f"runs/study-{Path(args.preset).stem}")
+    launch = str(Path(args.launch).resolve()) if args.launch and Path(args.launch).is_file() else args.launch
+    study = Study(out, preset, list(args.overrides), settings, parse_seeds(args.seeds), launch, args.average)
+    if (out / "study.json").is_file():
+        study = Study.load(out).merge(study)
+    study.grid()  # settings are valid
+    if args.slurm:
+        if not args.dry_run:
+            study.save()
+        submit_slurm(study, shlex.split(args.slurm_args), dry_run=args.dry_run)
+        return 0
+    if args.slurm_args:
+        raise StudyError("--slurm-args applies to --slurm; drop it, or add --slurm")
+    if not args.dry_run:
+        study.save()
+    failed = run_local(study, dry_run=args.dry_run, echo=args.verbose)
+    if args.dry_run:
+        return 0
+    if not args.no_report:
+        from tpe_train.study.report import write_report
+
+        print(f"report: {write_report(study, args.heatmap_positions)}")
+        print(f"images: tensorboard --logdir {study.report_dir / 'tb'}; runs: tensorboard --logdir {out}")
+    if failed:
+        print(f"tpe-study: {len(failed)} runs failed: {', '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_report(argv: list[str]) -> int:
+    from tpe_train.study.report import write_report
+
+    args = report_parser().parse_args(argv)
+    study = Study.load(Path(args.study_dir))
+    print(f"report: {write_report(study, args.heatmap_positions)}")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "report": cmd_report}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``tpe-study``."""
+    from tpe_train.config import ConfigError
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv else 2
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"tpe-study: unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    from tpe_train.exits import EXIT_PREEMPTED
+    from tpe_train.study.runner import Preempted
+
+    try:
+        return command(argv[1:])
+    except Preempted as err:
+        print(f"tpe-study {argv[0]}: {err}", file=sys.stderr)
+        return EXIT_PREEMPTED
+    except (StudyError, ConfigError) as err:
+        print(f"tpe-study {argv[0]}: error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""The grid of a study: named settings x seeds from one preset, its directory, manifest and commands.
+
+A *setting* is what one column of the study changes about position information:
+
+- ``<kind>`` (``none``, ``sinusoidal``, ``learned``, ``shaw``, ``t5``, ``rope``, ``alibi``): that
+  encoding in the encoder and in the decoder (``model.position.kind=<kind>``);
+- ``<kind>-noenc``: no position information in the encoder only; the decoder keeps ``<kind>``
+  (``model.position.encoder=false``);
+- ``<kind>-nodec``: no position information in the decoder only; the encoder keeps ``<kind>``
+  (``model.position.decoder=false``).
+
+A study directory holds ``study.json`` (preset, overrides, settings, seeds, how it was launched),
+``runs/s<seed>[-noenc|-nodec]/<kind>/`` (one tpe-train run directory each; the same layout as
+``tpe-launch``'s position sweep, whose run directories are ``<sweep root>/<kind>``) and ``report/``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tpe_train.config import Config, ConfigError, load_config
+from tpe_train.positions import POSITIONS
+
+#: The encodings in the order of the README's table; the default grid of ``tpe-study run``.
+ENCODINGS = ("none", "sinusoidal", "learned", "shaw", "t5", "rope", "alibi")
+VARIANTS = {"": "positions in encoder and decoder", "noenc": "no positions in the encoder",
+            "nodec": "no positions in the decoder"}  # fmt: skip
+#: Overrides the study sets itself for every run; a user override of one of them is refused.
+STUDY_KEYS = ("model.position.kind", "model.position.encoder", "model.position.decoder", "train.seed",
+              "train.run_dir")  # fmt: skip
+MANIFEST = "study.json"
+
+
+class StudyError(ValueError):
+    """Bad input to the study, with a message that says what to change."""
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One column of the study: an encoding, possibly removed from the encoder or the decoder."""
+
+    kind: str
+    variant: str = ""  # "", "noenc" or "nodec"
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}-{self.variant}" if self.variant else self.kind
+
+    def overrides(self) -> list[str]:
+        """The config overrides that make a run of this setting."""
+        return [
+            f"model.position.kind={self.kind}",
+            f"model.position.encoder={str(self.variant != 'noenc').lower()}",
+            f"model.position.decoder={str(self.variant != 'nodec').lower()}",
+        ]
+
+    def describe(self) -> str:
+        if self.kind == "none":
+            return "no position information anywhere"
+        if self.variant == "noenc":
+            return f"no position information in the encoder; {self.kind} in the decoder"
+        if self.variant == "nodec":
+            return f"{self.kind} in the encoder; no position information in the decoder"
+        return f"{self.kind} in the encoder and the decoder"
+
+
+def parse_setting(name: str) -> Setting:
+    """``sinusoidal``, ``sinusoidal-noenc``, ``rope-nodec`` ... -> a ``Setting`` (errors list the valid)."""
+    kind, variant = name.strip(), ""
+    for suffix in ("noenc", "nodec"):
+        if kind.endswith(f"-{suffix}"):
+            kind, variant = kind[: -len(suffix) - 1], suffix
+    if kind not in POSITIONS:
+        raise StudyError(
+            f"setting {name!r}: {kind!r} is not a position encoding; settings are <kind>, <kind>-noenc "
+            f"(no positions in the encoder) or <kind>-nodec (none in the decoder), kind one of "
+            f"{', '.join(POSITIONS.names())}"
+        )
+    if kind == "none" and variant:
+        raise StudyError(f"setting {name!r}: 'none' has no positions to remove; use 'none'")
+    return Setting(kind, variant)
+
+
+def setting_of(cfg: Config) -> Setting:
+    """The setting a resolved config trains (for runs found on disk)."""
+    p = cfg.model.position
+    if p.kind == "none" or not (p.encoder or p.decoder):
+        return Setting("none")
+    return Setting(p.kind, "" if p.encoder and p.decoder else ("noenc" if p.decoder else "nodec"))
+
+
+def parse_seeds(text: str) -> list[int]:
+    """``1,2,3`` or ``1-3`` (or both: ``1-3,7``) -> [1, 2, 3]."""
+    seeds: list[int] = []
+    try:
+        for part in text.split(","):
+            lo, sep, hi = part.strip().partition("-")
+            seeds += range(int(lo), int(hi) + 1) if sep else [int(lo)]
+    except ValueError:
+        raise StudyError(f"--seeds {text!r} is not a list of seeds such as 1,2,3 or 1-3") from None
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise StudyError(f"--seeds {text!r} names no seed or a seed twice")
+    return seeds
+
+
+@dataclass
+class Study:
+    """A study directory and its manifest (``study.json``)."""
+
+    root: Path
+    preset: str
+    overrides: list[str] = field(default_factory=list)
+    settings: list[str] = field(default_factory=lambda: list(ENCODINGS))
+    seeds: list[int] = field(default_factory=lambda: [1])
+    launch: str | None = None  # accelerate launch file of every run (None: one plain process)
+    average: int = 0  # average the last N checkpoints and evaluate that (0: the final export)
+    slurm_jobs: list[dict[str, Any]] = field(default_factory=list)  # what was submitted, for the record
+
+    def __post_init__(self) -> None:
+        self.root = Path(self.root)
+        clash = sorted({o.partition("=")[0].strip() for o in self.overrides} & set(STUDY_KEYS))
+        if clash:
+            raise StudyError(
+                f"the study sets {', '.join(clash)} itself for every run (from --encodings and --seeds, "
+                "run directories under the study directory); drop it from the overrides"
+            )
+        if self.average < 0:
+            raise StudyError(
+                f"--average must be 0 (no averaging) or a number of checkpoints, got {self.average}"
+            )
+        for name in self.settings:
+            parse_setting(name)
+
+    # -- layout -------------------------------------------------------------------------------------
+    def grid(self) -> list[tuple[Setting, int]]:
+        """Every run, seed by seed (a study stopped early has whole seeds first)."""
+        return [(parse_setting(name), seed) for seed in self.seeds for name in self.settings]
+
+    def sweep_root(self, setting: Setting, seed: int) -> Path:
+        """The parent of this seed's (and variant's) run directories: one ``tpe-launch`` sweep root."""
+        return self.root / "runs" / (f"s{seed}-{setting.variant}" if setting.variant else f"s{seed}")
+
+    def run_dir(self, setting: Setting, seed: int) -> Path:
+        return self.sweep_root(setting, seed) / setting.kind
+
+    def averaged_dir(self, setting: Setting, seed: int) -> Path:
+        """Where the average of the last ``average`` checkpoints goes (as ``tpe-launch --script eval``)."""
+        return self.run_dir(setting, seed) / f"averaged-last{self.average}"
+
+    def eval_path(self, setting: Setting, seed: int) -> Path:
+        """The figures the report uses: the averaged model's when the study averages."""
+        if self.average:
+            return self.averaged_dir(setting, seed) / "eval.json"
+        return self.run_dir(setting, seed) / "eval.json"
+
+    @property
+    def report_dir(self) -> Path:
+        return self.root / "report"
+
+    # -- configs and commands -----------------------------------------------------------------------
+    def run_overrides(self, setting: Setting, seed: int) -> list[str]:
+        """Overrides of one run: quiet progress, the user's, the setting's, seed and run directory."""
+        return [
+            "train.progress=false",  # the study logs to a file; a user override still wins
+            *self.overrides,
+            *setting.overrides(),
+            f"train.seed={seed}",
+            f"train.run_dir={self.run_dir(setting, seed).resolve()}",
+        ]
+
+    def config(self, setting: Setting, seed: int) -> Config:
+        """The resolved config of one run (a bad combination stops the study before any work)."""
+        try:
+            return load_config(self.preset, self.run_overrides(setting, seed))
+        except ConfigError as err:
+            raise StudyError(f"setting {setting.name}, seed {seed}: {err}") from None
+
+    def train_command(self, setting: Setting, seed: int) -> list[str]:
+        """``python -m tpe_train.train ...``, or the same under ``accelerate launch --config_file``."""
+        args = ["-m", "tpe_train.train", "--preset", self.preset, *self.run_overrides(setting, seed)]
+        if self.launch:
+            return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", self.launch, *args]
+        return [sys.executable, *args]
+
+    # -- manifest -----------------------------------------------------------------------------------
+    def save(self) -> None:
+        self.root.mkdir(parents=True, exist_ok=True)
+        data = asdict(self)
+        data.pop("root")
+        (self.root / MANIFEST).write_text(json.dumps(data, indent=2) + "\n")
+
+    @classmethod
+    def load(cls, root: Path) -> Study:
+        path = Path(root) / MANIFEST
+        if not path.is_file():
+            raise StudyError(
+                f"{root} is not a study directory ({MANIFEST} missing); pass the --out directory of "
+                "`tpe-study run`"
+            )
+        try:
+            data = json.loads(path.read_text())
+            return cls(root=Path(root), **data)
+        except (json.JSONDecodeError, TypeError) as err:
+            raise StudyError(
+                f"{path} is not a study manifest ({err}); restore it or start a new study"
+            ) from None
+
+    def merge(self, other: Study) -> Study:
+        """This (existing) study extended by ``other``'s settings and seeds; the rest must agree."""
+        for key in ("preset", "overrides", "average", "launch"):
+            if getattr(self, key) != getattr(other, key):
+                raise StudyError(
+                    f"{self.root} is a study with {key}={getattr(self, key)!r}, not {getattr(other, key)!r}; "
+                    "a study directory holds one preset, overrides, launch file and averaging: choose a "
+                    "new --out"
+                )
+        self.settings += [s for s in other.settings if s not in self.settings]
+        self.seeds += [s for s in other.seeds if s not in self.seeds]
+        return self

@@ -1,0 +1,247 @@
+"""Running a study's grid: in sequence on this machine, or as Slurm job arrays through ``tpe-launch``.
+
+Locally every run is its own process (``python -m tpe_train.train`` or ``accelerate launch``), its
+output appended to ``<run_dir>/study.log``; a run whose figures exist is skipped, so running the same
+command again continues a stopped study (and ``train.resume=auto`` continues a stopped run). With
+``average`` the last N checkpoints are averaged into ``<run_dir>/averaged-last<N>`` and evaluated there,
+as ``tpe-launch submit --script eval`` does on a cluster.
+
+On Slurm, one ``tpe-launch submit --script sweep_positions`` array per seed (and per variant: plain,
+``-noenc``, ``-nodec``), its indices picking the study's encodings, its sweep root the seed's directory
+of the study; with ``average``, one ``--script eval`` job per run after its array element.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import yaml
+
+from tpe_train.exits import EXIT_PREEMPTED
+from tpe_train.study.grid import Setting, Study, StudyError
+
+Print = Callable[[str], None]
+
+
+class Preempted(StudyError):
+    """A run saved its checkpoint after SIGTERM / SIGUSR1: the study stops; the same command resumes."""
+
+
+def _cpu_launch(launch: str) -> bool:
+    try:
+        return bool((yaml.safe_load(Path(launch).read_text()) or {}).get("use_cpu"))
+    except (OSError, yaml.YAMLError):
+        return False
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    text = path.read_text(errors="replace").splitlines() if path.is_file() else []
+    return "\n".join("    " + line for line in text[-lines:])
+
+
+def run_local(study: Study, dry_run: bool = False, echo: bool = False, say: Print = print) -> list[str]:
+    """Train (and evaluate) every run of the grid that has no figures yet, one after the other.
+    Returns the failed runs (``setting seed S``); stops early (``StudyError``) on a preemption."""
+    if study.launch and not Path(study.launch).is_file():
+        raise StudyError(f"--launch {study.launch}: no such launch file (configs/accelerate/*.yaml)")
+    grid = study.grid()
+    for setting, seed in grid:  # every config is checked before the first run starts
+        study.config(setting, seed)
+    env = dict(os.environ)
+    if study.launch and _cpu_launch(study.launch):
+        env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU processes uses gloo
+    failed: list[str] = []
+    for number, (setting, seed) in enumerate(grid, 1):
+        label = f"[{number}/{len(grid)}] {setting.name} seed {seed}"
+        run_dir = study.run_dir(setting, seed)
+        cmd = study.train_command(setting, seed)
+        if dry_run:
+            say(f"{label}: {shlex.join(cmd)}")
+            if study.average:
+                say(f"{label}: then average the last {study.average} checkpoints and evaluate them")
+            continue
+        if study.eval_path(setting, seed).is_file():
+            say(f"{label}: done already ({study.eval_path(setting, seed)})")
+            continue
+        if not (run_dir / "eval.json").is_file():
+            run_dir.mkdir(parents=True, exist_ok=True)
+            log = run_dir / "study.log"
+            say(f"{label}: training in {run_dir} (log: {log})")
+            start = time.perf_counter()
+            code = _run_logged(cmd, env, log, echo)
+            if code == EXIT_PREEMPTED:
+                raise Preempted(
+                    f"{label} was preempted (checkpoint saved); run the same tpe-study command again to "
+                    "resume it and the rest of the study"
+                )
+            if code != 0 or not (run_dir / "eval.json").is_file():
+                say(f"{label}: FAILED (exit {code}); the end of {log}:\n{_tail(log)}")
+                failed.append(f"{setting.name} seed {seed}")
+                continue
+            say(f"{label}: trained in {time.perf_counter() - start:.0f} s")
+        if study.average:
+            try:
+                average_and_evaluate(study, setting, seed)
+            except Exception as err:  # reported per run: the other runs of the study go on
+                say(f"{label}: averaging or evaluating FAILED: {err}")
+                failed.append(f"{setting.name} seed {seed}")
+                continue
+        figures = json.loads(study.eval_path(setting, seed).read_text())
+        say(f"{label}: BLEU {figures['bleu']:.2f} ({study.eval_path(setting, seed)})")
+    return failed
+
+
+def _run_logged(cmd: list[str], env: dict[str, str], log: Path, echo: bool) -> int:
+    """Run ``cmd`` with its output appended to ``log`` (and shown on the terminal with ``echo``)."""
+    with open(log, "a") as out:
+        out.write(f"\n$ {shlex.join(cmd)}\n")
+        out.flush()
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+        assert proc.stdout is not None
+
+        def forward(signum: int, frame: object) -> None:  # preemption of the study preempts the run
+            proc.send_signal(signum)
+
+        previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+        try:
+            for line in proc.stdout:
+                out.write(line)
+                if echo:
+                    sys.stdout.write(line)
+        except KeyboardInterrupt:
+            proc.terminate()  # the trainer saves on SIGTERM; the next tpe-study run resumes it
+            proc.wait()
+            raise
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+        return proc.wait()
+
+
+def average_and_evaluate(study: Study, setting: Setting, seed: int) -> Path:
+    """``tpe-ckpt average RUN --last N --out RUN/averaged-lastN`` and ``tpe-eval`` of it, in process;
+    the figures go to ``RUN/averaged-lastN/eval.json``."""
+    import torch
+
+    from tpe_train.checkpoint import load_export
+    from tpe_train.ckpt_cli import main as ckpt_main
+    from tpe_train.data.corpus import test_splits
+    from tpe_train.evaluate import evaluate
+
+    out = study.averaged_dir(setting, seed)
+    run_dir = study.run_dir(setting, seed)
+    if ckpt_main(["average", str(run_dir), "--last", str(study.average), "--out", str(out)]) != 0:
+        raise StudyError(f"tpe-ckpt average {run_dir} --last {study.average} failed (see above)")
+    model, cfg, tok = load_export(out)
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    metrics = evaluate(model, tok, test_splits(cfg.data), cfg.eval, lang=cfg.data.tgt_lang)
+    path = out / "eval.json"
+    path.write_text(json.dumps(metrics, indent=2))
+    return path
+
+
+def _launcher() -> Callable[[list[str]], int]:
+    try:
+        from launcher.cli import main
+    except ImportError as err:
+        raise StudyError(
+            f"--slurm needs the launcher package (tpe-launch, in launcher/ of the repository), which does "
+            f"not import here ({err}); install the repository (pip install -e .) or run the study locally"
+        ) from None
+    return main
+
+
+def _sweep_index(kind: str) -> int:
+    from launcher.plan import POSITION_SWEEP
+
+    if kind not in POSITION_SWEEP:
+        raise StudyError(
+            f"tpe-launch's position sweep has no array index for {kind!r} (it sweeps "
+            f"{' '.join(POSITION_SWEEP)}); run this setting locally"
+        )
+    return POSITION_SWEEP.index(kind)
+
+
+def _launch(argv: list[str]) -> str:
+    """``tpe-launch`` with ``argv`` in this process; its output (an error stops the study)."""
+    main = _launcher()
+    buffer, errors = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(errors):
+        code = main(argv)
+    if code != 0:
+        raise StudyError(f"tpe-launch {shlex.join(argv[:2])} refused: {errors.getvalue().strip()}")
+    return buffer.getvalue()
+
+
+def submit_slurm(study: Study, slurm_args: list[str], dry_run: bool = False, say: Print = print) -> None:
+    """One ``tpe-launch submit --script sweep_positions --array I,J`` per seed and variant (plus one
+    ``--script eval`` per run with ``average``); submitted jobs are recorded in ``study.json``."""
+    if study.launch:
+        slurm_args = [*slurm_args, "--layout", study.launch]
+    groups: dict[tuple[int, str], list[Setting]] = {}
+    for setting, seed in study.grid():
+        if not study.eval_path(setting, seed).is_file():
+            groups.setdefault((seed, setting.variant), []).append(setting)
+    if not groups:
+        say("every run of the study has its figures already; nothing to submit")
+        return
+    eval_args = _without(slurm_args, ("--nodes", "--layout", "--procs-per-node", "--signal-before"))
+    for (seed, variant), settings in groups.items():
+        indices = [_sweep_index(s.kind) for s in settings]
+        root = study.sweep_root(settings[0], seed).resolve()
+        overrides = [o for o in study.run_overrides(settings[0], seed) if not o.startswith(
+            ("model.position.kind=", "train.run_dir="))]  # fmt: skip
+        argv = ["submit", "--script", "sweep_positions", "--preset", study.preset,
+                "--array", ",".join(map(str, indices)), "--sweep-root", str(root),
+                "--job-name", f"tpe-study-s{seed}{'-' + variant if variant else ''}", *slurm_args,
+                *(["--dry-run"] if dry_run else []), *overrides]  # fmt: skip
+        out = _launch(argv)
+        say(out.rstrip())
+        job = _job_id(out) if not dry_run else "<array job>"
+        if not dry_run:
+            study.slurm_jobs.append({"seed": seed, "variant": variant, "job": job, "array": indices})
+        for setting, index in zip(settings, indices, strict=True):
+            if not study.average:
+                continue
+            argv = ["submit", "--script", "eval", "--preset", study.preset, "--last", str(study.average),
+                    "--dependency", f"afterok:{job}_{index}", *eval_args,
+                    *(["--dry-run"] if dry_run else []), *study.run_overrides(setting, seed)]  # fmt: skip
+            out = _launch(argv)
+            say(out.rstrip())
+            if not dry_run:
+                study.slurm_jobs.append({"seed": seed, "setting": setting.name, "eval_job": _job_id(out)})
+    if not dry_run:
+        study.save()
+        say(f"when the jobs are done: tpe-study report {study.root}")
+
+
+def _without(args: list[str], options: tuple[str, ...]) -> list[str]:
+    """``args`` without the given options and their values (``--nodes 2`` or ``--nodes=2``)."""
+    out: list[str] = []
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in options:
+            skip = True
+        elif not arg.startswith(tuple(f"{o}=" for o in options)):
+            out.append(arg)
+    return out
+
+
+def _job_id(output: str) -> str:
+    for line in output.splitlines():
+        if line.startswith("job: "):
+            return line.split(":", 1)[1].strip()
+    raise StudyError(f"tpe-launch submit printed no job id:\n{output}")
