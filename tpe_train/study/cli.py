@@ -153,6 +153,9 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted as err:
         print(f"tpe-study {argv[0]}: {err}", file=sys.stderr)
         return EXIT_PREEMPTED
+    except KeyboardInterrupt:
+        print(f"tpe-study {argv[0]}: interrupted; the same command resumes the study", file=sys.stderr)
+        return 130
     except (StudyError, ConfigError) as err:
         print(f"tpe-study {argv[0]}: error: {err}", file=sys.stderr)
         return 2

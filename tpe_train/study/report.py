@@ -143,6 +143,10 @@ def training_cap(runs: list[Run]) -> int | None:
     return None
 
 
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" + ("" if n == 1 else "s")
+
+
 def markdown(study: Study, runs: list[Run], rows: list[Row], plots: list[Path], notes: list[str]) -> str:
     """The report: what was run, the table, the plots, every run and what is missing."""
     buckets = bucket_names(runs)
@@ -155,7 +159,8 @@ def markdown(study: Study, runs: list[Run], rows: list[Row], plots: list[Path], 
     lines = [
         f"# Position-encoding study: preset `{study.preset}`",
         "",
-        f"{len(study.settings)} settings x {len(study.seeds)} seeds ({', '.join(map(str, study.seeds))}); "
+        f"{_count(len(study.settings), 'setting')} x {_count(len(study.seeds), 'seed')} "
+        f"({', '.join(map(str, study.seeds))}); "
         f"{len(done)} of {len(runs)} runs have figures. Overrides: "
         + (" ".join(f"`{o}`" for o in study.overrides) or "none")
         + ".",
