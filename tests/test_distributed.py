@@ -190,3 +190,20 @@ def test_bf16_with_tensor_parallelism_trains(tmp_path: Path) -> None:
     memory = json.loads((run_dir / "memory.json").read_text())
     # bf16 weights: 2 bytes a parameter, a fp32 master copy in the optimizer
     assert memory[0]["optimizer"] == 3 * 2 * memory[0]["parameters"]
+
+
+def test_four_processes_tensor_parallel_2_x_data_parallel_2(tmp_path: Path) -> None:
+    """The 2-D layout on 4 processes: AutoTP pairs (0, 1) and (2, 3), each pair one data-parallel rank
+    with its own half of the global batch; 3 steps follow one process holding the whole batch."""
+    launch_file = tmp_path / "tp2_dp2.yaml"
+    text = (ROOT / "configs/accelerate/cpu_tp2.yaml").read_text()
+    launch_file.write_text(text.replace("num_processes: 2", "num_processes: 4"))
+    out = tmp_path / "zero.json"
+    launch(launch_file, [str(HARNESS), "zero", str(out), "3"], tmp_path)
+    result = json.loads(out.read_text())
+    assert (result["dp_size"], result["zero_stage"]) == (2, 1)
+    for step in result["steps"]:
+        assert step["param_diff"] < 1e-5, step
+        assert relative(step["loss"], step["ref_loss"]) < 1e-5, step
+        assert relative(step["grad_norm"], step["ref_grad_norm"]) < 1e-5, step
+    assert result["steps"][-1]["moved"] > 20 * 1e-5
