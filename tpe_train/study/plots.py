@@ -76,10 +76,19 @@ def length_figure(rows: list[Row], runs: list[Run]) -> Figure:
     for row in rows:
         means = [row.buckets[b].mean if row.buckets[b].values else math.nan for b in buckets]
         sds = [row.buckets[b].sd or 0.0 for b in buckets]
-        ax.errorbar(x, means, yerr=sds, marker="o", capsize=3, label=row.setting.name)
-        for i, b in enumerate(buckets):
+        line = ax.errorbar(x, means, yerr=sds, marker="o", capsize=3, label=row.setting.name)
+        for i, b in enumerate(buckets):  # at the foot of the axes, in the setting's colour
             if b in row.too_long and not row.buckets[b].values:
-                ax.annotate("too long", (i, 0), fontsize=7, rotation=90, ha="center", va="bottom")
+                ax.annotate(
+                    f"{row.setting.name}: too long",
+                    (i, 0.02),
+                    xycoords=("data", "axes fraction"),
+                    fontsize=7,
+                    rotation=90,
+                    ha="center",
+                    va="bottom",
+                    color=line[0].get_color(),
+                )
     ax.set_xticks(x, buckets)
     ax.set_xlim(-0.5, len(buckets) - 0.5)
     ax.set_xlabel("source length (words)")
