@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tpe_train.evaluate import compound_split, moses_tokenize, tokenized_bleu
@@ -212,6 +213,8 @@ TINY = [
     "model.encoder_layers=1",
     "model.decoder_layers=1",
     "train.max_steps=2",
+    "train.save_every=1",  # two checkpoints to average (--average 2), as the papers average theirs
+    "train.keep_last=2",
     "train.valid_bleu_size=0",
     "eval.beam=1",
     "eval.length_buckets=[6,12]",
@@ -223,24 +226,36 @@ def study_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("study") / "tiny"
     cmd = [sys.executable, "-m", "tpe_train.study.cli", "run", "--preset", "demo", "--seeds", "1,2",
            "--encodings", "sinusoidal,learned", "--out", str(out), "--heatmap-positions", "40",
-           *TINY]  # fmt: skip
+           "--average", "2", *TINY]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[4/4] learned seed 2: BLEU" in proc.stdout
     return out
 
 
-def test_study_trains_every_cell_and_writes_the_table(study_dir: Path) -> None:
+def test_study_trains_every_cell_and_averages_its_last_checkpoints(study_dir: Path) -> None:
     for seed in (1, 2):
         for kind in ("sinusoidal", "learned"):
             run = study_dir / "runs" / f"s{seed}" / kind
             assert (run / "eval.json").is_file() and (run / "checkpoint" / "model.safetensors").is_file()
             assert f"model.position.kind={kind}" in (run / "study.log").read_text()
+            # the averaged model is the mean of the last two checkpoints' weights, and is evaluated
+            last = [load_file(str(run / f"checkpoints/step-{s:08d}/model.safetensors")) for s in (1, 2)]
+            averaged = load_file(str(run / "averaged-last2" / "model.safetensors"))
+            name = "encoder.layers.0.ffn.fc_in.weight"
+            assert not torch.equal(last[0][name], last[1][name])
+            torch.testing.assert_close(averaged[name], (last[0][name] + last[1][name]) / 2)
+            figures = json.loads((run / "averaged-last2" / "eval.json").read_text())
+            assert figures["test_sentences"] == 20 and figures["probe_pairs"] == 6
+
+
+def test_study_writes_the_table_of_means_and_deviations(study_dir: Path) -> None:
     report = (study_dir / "report" / "report.md").read_text()
     assert "| setting | seeds | BLEU | chrF | exact match | word-order probe | 1-6 | 7-12 | 13+ † |" in report
     assert "4 of 4 runs have figures" in report and "at most 12 words" in report
-    evals = {k: [json.loads((study_dir / f"runs/s{s}/{k}/eval.json").read_text()) for s in (1, 2)]
-             for k in ("sinusoidal", "learned")}  # fmt: skip
+    assert "averaged over the last 2 checkpoints" in report
+    evals = {k: [json.loads((study_dir / f"runs/s{s}/{k}/averaged-last2/eval.json").read_text())
+                 for s in (1, 2)] for k in ("sinusoidal", "learned")}  # fmt: skip
     summary = json.loads((study_dir / "report" / "summary.json").read_text())["settings"]
     for kind, figures in evals.items():
         bleus = [f["bleu"] for f in figures]
@@ -278,7 +293,7 @@ def test_report_regathers_an_existing_study_without_training(
     assert len(list((report / "tb").glob("events.out.tfevents.*"))) == 1  # replaced, not added to
     # running the same study again trains nothing: every run has its figures
     assert main(["run", "--preset", "demo", "--encodings", "sinusoidal,learned", "--seeds", "1,2",
-                 "--out", str(study_dir), "--no-report", *TINY]) == 0  # fmt: skip
+                 "--out", str(study_dir), "--no-report", "--average", "2", *TINY]) == 0  # fmt: skip
     assert capsys.readouterr().out.count("done already") == 4
     assert main(["report", str(study_dir / "runs")]) == 2
     assert "is not a study directory" in capsys.readouterr().err
