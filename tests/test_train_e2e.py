@@ -107,3 +107,22 @@ def test_tpe_eval_rejects_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -
     )
     assert proc.returncode == 2
     assert "is not a tpe-train checkpoint" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_validation_leaves_out_pairs_longer_than_a_learned_table(tmp_path: Path) -> None:
+    """data.max_len bounds training pairs and the learned table; the validation set is not filtered
+    when it is built, so validation must leave its longer pairs out instead of indexing past the table."""
+    overrides = [
+        *TINY,
+        "model.position.kind=learned",
+        "data.max_len=30",
+        "model.position.max_positions=31",
+        "train.valid_bleu_size=20",
+        "eval.at_end=false",
+        f"train.run_dir={tmp_path / 'run'}",
+    ]
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpe_train.train", *overrides], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "run" / "checkpoint" / "model.safetensors").exists()

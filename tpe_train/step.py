@@ -85,10 +85,12 @@ def validate(engine: Engine, data: Any, cfg: Config, ctx: ParallelContext, cast:
         model = cast_model(module)
         model.eval()
         src_len, tgt_len = length_arrays(data.valid)
-        batches = BatchIterator(src_len, tgt_len, cfg.data.max_tokens, seed=0).batches
+        # Pairs longer than data.max_len are left out, as in training: a learned table may not reach them.
+        kept = np.nonzero((src_len <= cfg.data.max_len) & (tgt_len <= cfg.data.max_len))[0]
+        batches = BatchIterator(src_len[kept], tgt_len[kept], cfg.data.max_tokens, seed=0).batches
         nll_sum, ntok_sum = 0.0, 0.0
         for idx in batches[ctx.dp_rank :: ctx.dp_size]:
-            _, nll, ntok = batch_loss(model, collate(data.valid, idx), cfg, cast)
+            _, nll, ntok = batch_loss(model, collate(data.valid, kept[idx]), cfg, cast)
             nll_sum, ntok_sum = nll_sum + float(nll), ntok_sum + ntok
         nll_sum, ntok_sum = ctx.dp_sum([nll_sum, ntok_sum])
         out = {"valid/nll": nll_sum / ntok_sum, "valid/ppl": math.exp(min(nll_sum / ntok_sum, 50.0))}

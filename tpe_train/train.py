@@ -209,7 +209,7 @@ def run(cfg: Config) -> dict[str, Any]:
         checkpoint = save_export(run_dir / "checkpoint", final, cfg, data.tokenizer, progress.step)
         metrics["checkpoint"] = str(checkpoint)
         if cfg.eval.at_end:
-            metrics.update(evaluate(final, data.tokenizer, data.splits, cfg.eval))
+            metrics.update(evaluate(final, data.tokenizer, data.splits, cfg.eval, lang=cfg.data.tgt_lang))
             for name in ("bleu", "chrf", "exact_match", "probe_accuracy"):
                 if metrics[name] is not None:
                     _log(writer, {f"test/{name}": metrics[name]}, progress.step)
