@@ -178,8 +178,9 @@ def verify(path: Path, names: list[str]) -> None:
             )
 
 
-def check_compatible(path: Path, cfg: Config, vocab: str) -> None:
-    """Refuse a checkpoint of another model config or tokenizer, naming what differs."""
+def check_compatible(path: Path, cfg: Config, vocab: str | None = None) -> None:
+    """Refuse a checkpoint of another model config or tokenizer (``vocab``: the tokenizer's hash, when
+    known), naming what differs."""
     saved = yaml.safe_load((path / "config.yaml").read_text())
     ours = cfg.model_dump(mode="json")["model"]
     differences = _diff(saved.get("model", {}), ours, "model")
@@ -189,7 +190,7 @@ def check_compatible(path: Path, cfg: Config, vocab: str) -> None:
             "model settings, or start a new run directory (train.run_dir) or train.resume=never"
         )
     trainer = json.loads((path / TRAINER).read_text())
-    if trainer.get("vocab_hash") != vocab:
+    if vocab is not None and trainer.get("vocab_hash") != vocab:
         raise CheckpointError(
             f"{path} was trained with another tokenizer (vocabulary hash {trainer.get('vocab_hash')} against "
             f"{vocab}); resume with the data settings the run was started with, or start a new run directory"

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from tpe_train import snapshot
 from tpe_train.checkpoint import build_model, parameter_count, save_export
-from tpe_train.ckpt_store import CheckpointError, latest_complete
+from tpe_train.ckpt_store import CheckpointError, check_compatible, latest_complete
 from tpe_train.config import Config, ConfigError, load_config
 from tpe_train.data.corpus import Prepared, TrainBatches, prepare
 from tpe_train.data.sources import CorpusError
@@ -120,7 +120,9 @@ def run(cfg: Config) -> dict[str, Any]:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     run_dir, ckpt_root = cfg.run_dir(), cfg.run_dir() / "checkpoints"
-    start = resume_point(cfg, ctx)  # a bad resume target stops here, before any work
+    start = resume_point(cfg, ctx)
+    if start is not None:
+        check_compatible(start, cfg)  # another model stops here, before any work
     signals = Signals()
     data = prepare_data(cfg, ctx)
     engine = build_engine(cfg, data, ctx, layout)
