@@ -27,6 +27,7 @@ from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layou
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report, optimizer_state_bytes
 from tpe_train.parallel.plan import shard_positions
+from tpe_train.parallel.portable import full_weights
 from tpe_train.step import train_step
 
 VOCAB = 64
@@ -120,7 +121,7 @@ def tp_check(kinds: list[str]) -> dict[str, Any]:
         sharded = engine_for(cfg, ctx, deepspeed_config(cfg, layout))
         torch.manual_seed(1)
         stats = train_step(sharded, [b], cfg, ctx, cast=False)
-        after = sharded.consolidated()
+        after = full_weights(sharded)
         plain = engine_for(cfg, ParallelContext.fake(), None)
         torch.manual_seed(1)
         ref = train_step(plain, [b], cfg, ParallelContext.fake(), cast=False)
@@ -132,8 +133,8 @@ def tp_check(kinds: list[str]) -> dict[str, Any]:
             "ref_loss": ref["loss"],
             "grad_norm": stats["grad_norm"],
             "ref_grad_norm": ref["grad_norm"],
-            "param_diff": max_diff(after, plain.consolidated()),
-            "worst": worst(after, plain.consolidated()),
+            "param_diff": max_diff(after, full_weights(plain)),
+            "worst": worst(after, full_weights(plain)),
             "position_params": {
                 n: list(p.shape) for n, p in sharded.module.named_parameters() if "positions" in n
             },
@@ -159,8 +160,8 @@ def zero_check(steps: int) -> dict[str, Any]:
                 "ref_loss": ref["loss"],
                 "grad_norm": stats["grad_norm"],
                 "ref_grad_norm": ref["grad_norm"],
-                "param_diff": max_diff(sharded.consolidated(), plain.consolidated()),
-                "moved": max_diff(plain.consolidated(), model_state(cfg)),
+                "param_diff": max_diff(full_weights(sharded), full_weights(plain)),
+                "moved": max_diff(full_weights(plain), model_state(cfg)),
             }
         )
     return {

@@ -35,6 +35,7 @@ from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layou
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report
 from tpe_train.parallel.plan import shard_positions
+from tpe_train.parallel.portable import full_weights
 from tpe_train.step import inverse_sqrt, seed_everything, train_step, validate
 
 
@@ -203,7 +204,7 @@ def run(cfg: Config) -> dict[str, Any]:
     if latest is None or latest.step != progress.step:  # e.g. resumed from elsewhere with no step left
         save()
 
-    weights = engine.consolidated()  # every rank takes part; rank 0 writes and evaluates
+    weights = full_weights(engine)  # every rank takes part; rank 0 writes and evaluates
     metrics: dict[str, Any] = {}
     if ctx.is_main:
         final = build_model(cfg, data.tokenizer)

@@ -1,8 +1,8 @@
 """One training engine for every layout: one process, plain data parallelism, or DeepSpeed (ZeRO 0-3,
 offload, AutoTP), all prepared by accelerate.
 
-The loop sees four verbs: ``forward``, ``backward`` (per micro-batch), ``step`` (returns the gradient
-norm) and ``consolidated`` (the single-device weights, for export and evaluation). Under DeepSpeed
+The loop sees three verbs: ``forward``, ``backward`` (per micro-batch) and ``step`` (returns the
+gradient norm); ``parallel.portable`` reads and writes the state in single-device form. Under DeepSpeed
 the engine clips and steps inside the last ``backward`` of an optimizer step, as accelerate drives
 it; under plain torch, ``step`` clips and steps.
 """
@@ -17,7 +17,15 @@ import torch
 from torch import Tensor, nn
 
 from tpe_train.parallel.context import ParallelContext
-from tpe_train.parallel.plan import full_state_dict
+
+
+def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer under accelerate's and DeepSpeed's wrappers (each keeps it in ``.optimizer``)."""
+    while not (
+        isinstance(optimizer, torch.optim.Optimizer) and type(optimizer).__module__.startswith("torch")
+    ):
+        optimizer = optimizer.optimizer
+    return optimizer
 
 
 class Engine:
@@ -54,7 +62,7 @@ class Engine:
             step_scheduler_with_optimizer=False,
         )
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
-        if deepspeed is not None and int(deepspeed.get("zero_optimization", {}).get("stage", 0)) == 3:
+        if self.zero3:
             _register_external(self.module)
         if deepspeed is not None:
             share_fp32_master(self.optimizer)
@@ -76,7 +84,7 @@ class Engine:
 
     def backward(self, loss: Tensor) -> None:
         """Backward of one micro-batch. ``loss`` is already normalised for the whole optimizer step
-        (see ``train.step_loss_scale``); accelerate and DeepSpeed divide it by ``accumulate`` again,
+        (see ``step.train_step``); accelerate and DeepSpeed divide it by ``accumulate`` again,
         which the caller compensates."""
         self._micro += 1
         if self.accelerator is None:
@@ -90,8 +98,7 @@ class Engine:
         (before clipping) over all ranks."""
         assert self._micro == self.accumulate, f"{self._micro} backward calls, expected {self.accumulate}"
         self._micro = 0
-        if self.uses_deepspeed:  # DeepSpeed clipped, stepped and zeroed in the last backward
-            self.scheduler.step()
+        if self.uses_deepspeed:  # DeepSpeed clipped, stepped, scheduled and zeroed in the last backward
             norm = self.model.get_global_grad_norm()
             return float(norm) if norm is not None else float("nan")
         max_norm = self.clip_norm or float("inf")
@@ -114,10 +121,7 @@ class Engine:
 
     def set_lr(self, lrs: list[float]) -> None:
         """Set the optimizer's learning rates (after a scheduler state is restored)."""
-        opt: Any = self.optimizer
-        while not (isinstance(opt, torch.optim.Optimizer) and type(opt).__module__.startswith("torch")):
-            opt = opt.optimizer
-        for group, lr in zip(opt.param_groups, lrs, strict=True):
+        for group, lr in zip(torch_optimizer(self.optimizer).param_groups, lrs, strict=True):
             group["lr"] = lr
 
     @contextlib.contextmanager
@@ -135,11 +139,6 @@ class Engine:
                 yield module
         else:
             yield module
-
-    def consolidated(self) -> dict[str, Tensor]:
-        """fp32 weights of the single-device model (collective: every rank must call it)."""
-        with self.gathered() as module:
-            return full_state_dict(module, self.ctx)
 
 
 def share_fp32_master(optimizer: Any) -> int:

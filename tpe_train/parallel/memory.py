@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from tpe_train.parallel.deepspeed import Layout
+from tpe_train.parallel.engine import torch_optimizer
 from tpe_train.parallel.plan import _local_numel, position_bytes
 
 ADAM_MOMENTS = 2
@@ -45,18 +46,6 @@ class MemoryReport:
 
 def _mb(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
-
-
-def _basic_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer under accelerate's and DeepSpeed's wrappers."""
-    seen = 0
-    while not (
-        isinstance(optimizer, torch.optim.Optimizer) and type(optimizer).__module__.startswith("torch")
-    ):
-        optimizer = optimizer.optimizer
-        seen += 1
-        assert seen < 8, "no torch optimizer found under the wrappers"
-    return optimizer
 
 
 def memory_report(model: nn.Module, optimizer: Any, rank: int, layout: Layout | None) -> MemoryReport:
@@ -113,7 +102,7 @@ def _updated_tensors(optimizer: Any) -> list[torch.Tensor]:
 
 def optimizer_state_bytes(optimizer: Any) -> int:
     """Bytes of the state tensors the torch optimizer actually holds (after a step), for checking."""
-    basic = _basic_optimizer(optimizer)
+    basic = torch_optimizer(optimizer)
     return sum(
         t.numel() * t.element_size()
         for state in basic.state.values()

@@ -131,21 +131,6 @@ def split_dim(name: str, param: Tensor) -> int | None:
     return None
 
 
-def full_state_dict(model: nn.Module, ctx: ParallelContext) -> dict[str, Tensor]:
-    """Every parameter as the single-device model holds it: TP shards gathered along their split
-    dimension, on every rank (a collective: all ranks of the TP group must call it)."""
-    out: dict[str, Tensor] = {}
-    for name, param in model.named_parameters():
-        tensor = param.detach()
-        dim = split_dim(name, param) if ctx.tp_size > 1 else None
-        if dim is not None:
-            parts = [torch.empty_like(tensor) for _ in range(ctx.tp_size)]
-            dist.all_gather(parts, tensor.contiguous(), group=ctx.tp_group)
-            tensor = torch.cat(parts, dim=dim)
-        out[name] = tensor.clone().float()
-    return out
-
-
 def position_bytes(model: nn.Module) -> int:
     """Bytes this rank stores for position encodings: parameters and buffers (ALiBi's slopes)."""
     total = 0

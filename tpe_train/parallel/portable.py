@@ -19,18 +19,10 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tpe_train.parallel.context import ParallelContext
-from tpe_train.parallel.engine import Engine
+from tpe_train.parallel.engine import Engine, torch_optimizer
 from tpe_train.parallel.plan import split_dim
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    while not (
-        isinstance(optimizer, torch.optim.Optimizer) and type(optimizer).__module__.startswith("torch")
-    ):
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 def _gather_tp(name: str, param: Tensor, local: Tensor, ctx: ParallelContext) -> Tensor:
@@ -51,37 +43,42 @@ def _slice_tp(name: str, param: Tensor, full: Tensor, ctx: ParallelContext) -> T
 
 def adam_steps(engine: Engine) -> int:
     """Optimizer steps Adam has taken (its bias correction depends on it)."""
-    for state in _torch_optimizer(engine.optimizer).state.values():
+    for state in torch_optimizer(engine.optimizer).state.values():
         step = state.get("step")
         if step is not None:
             return int(step)
     return 0
 
 
-def gather_state(engine: Engine) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
+def gather_state(engine: Engine, with_moments: bool = True) -> tuple[dict[str, Tensor], dict[str, Tensor]]:
     """(weights, moments) of the whole model, fp32, on every rank (a collective over all ranks).
 
     ``moments`` maps ``"<moment>/<parameter>"`` to Adam's ``exp_avg`` / ``exp_avg_sq``; empty before the
-    first optimizer step."""
+    first optimizer step or without ``with_moments``."""
     ctx, weights, moments = engine.ctx, {}, {}
     module = engine.module
     if engine.uses_deepspeed:
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-        started = adam_steps(engine) > 0
+        started = with_moments and adam_steps(engine) > 0
         for name, p in module.named_parameters():
             weights[name] = _gather_tp(name, p, safe_get_full_fp32_param(p).float(), ctx).cpu()
             for m in MOMENTS if started else ():
                 local = safe_get_full_optimizer_state(p, m).float()
                 moments[f"{m}/{name}"] = _gather_tp(name, p, local, ctx).cpu()
         return weights, moments
-    state = _torch_optimizer(engine.optimizer).state
+    state = torch_optimizer(engine.optimizer).state
     for name, p in module.named_parameters():
         weights[name] = p.detach().float().cpu().clone()
-        for m in MOMENTS:
+        for m in MOMENTS if with_moments else ():
             if p in state and m in state[p]:
                 moments[f"{m}/{name}"] = state[p][m].detach().float().cpu().clone()
     return weights, moments
+
+
+def full_weights(engine: Engine) -> dict[str, Tensor]:
+    """The single-device model's fp32 weights (for the export; a collective over all ranks)."""
+    return gather_state(engine, with_moments=False)[0]
 
 
 def load_state(engine: Engine, weights: dict[str, Tensor], moments: dict[str, Tensor], steps: int) -> None:
@@ -108,7 +105,7 @@ def load_state(engine: Engine, weights: dict[str, Tensor], moments: dict[str, Te
             # The optimizer's first step may rebuild its state tensors: link the fragments again then.
             zero._hp_optimizer_states_linked = False
     else:
-        state = _torch_optimizer(engine.optimizer).state
+        state = torch_optimizer(engine.optimizer).state
         with torch.no_grad():
             for name, p in module.named_parameters():
                 p.copy_(weights[name].to(p.dtype))
@@ -125,7 +122,7 @@ def _prime(engine: Engine) -> None:
     bf16 optimizer) create it lazily at the first step and only then link each parameter to its
     fragment of the flat partition. Zeros with step 0 are exactly what that first step would start
     from; the link is DeepSpeed's own."""
-    basic = _torch_optimizer(engine.optimizer)
+    basic = torch_optimizer(engine.optimizer)
     zero = getattr(engine.optimizer, "optimizer", None)
     tensors = [p for group in basic.param_groups for p in group["params"]]
     tensors += list(getattr(zero, "fp32_partitioned_groups_flat", []))  # ZeRO-3 swaps these in per step
@@ -143,7 +140,7 @@ def _device(p: Tensor) -> torch.device:
 
 
 def _set_steps(engine: Engine, steps: int) -> None:
-    for state in _torch_optimizer(engine.optimizer).state.values():
+    for state in torch_optimizer(engine.optimizer).state.values():
         if "step" in state:
             old = state["step"]
             state["step"] = (
