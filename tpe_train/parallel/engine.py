@@ -98,7 +98,10 @@ class Engine:
         (before clipping) over all ranks."""
         assert self._micro == self.accumulate, f"{self._micro} backward calls, expected {self.accumulate}"
         self._micro = 0
-        if self.uses_deepspeed:  # DeepSpeed clipped, stepped, scheduled and zeroed in the last backward
+        if self.uses_deepspeed:  # DeepSpeed clipped, stepped and zeroed in the last backward
+            # accelerate hands our schedule to DeepSpeed or, when DeepSpeed does not take it, wraps it
+            # in a scheduler that must be stepped here (the DeepSpeed wrapper's step is a no-op)
+            self.scheduler.step()
             norm = self.model.get_global_grad_norm()
             return float(norm) if norm is not None else float("nan")
         max_norm = self.clip_norm or float("inf")

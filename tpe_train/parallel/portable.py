@@ -61,10 +61,15 @@ def gather_state(engine: Engine, with_moments: bool = True) -> tuple[dict[str, T
         from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
         started = with_moments and adam_steps(engine) > 0
+        state = torch_optimizer(engine.optimizer).state
         for name, p in module.named_parameters():
-            weights[name] = _gather_tp(name, p, safe_get_full_fp32_param(p).float(), ctx).cpu()
+            # Without ZeRO (and in fp32) the torch optimizer updates the parameters themselves: no
+            # fragments to read, the parameter and its own state are the full tensors.
+            master = safe_get_full_fp32_param(p)
+            weights[name] = _gather_tp(name, p, (p.detach() if master is None else master).float(), ctx).cpu()
             for m in MOMENTS if started else ():
-                local = safe_get_full_optimizer_state(p, m).float()
+                full = safe_get_full_optimizer_state(p, m)
+                local = (state[p][m] if full is None else full).float()
                 moments[f"{m}/{name}"] = _gather_tp(name, p, local, ctx).cpu()
         return weights, moments
     state = torch_optimizer(engine.optimizer).state
