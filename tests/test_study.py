@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -106,6 +107,8 @@ def test_settings_name_the_encoding_and_where_positions_are_removed() -> None:
         (["train.seed=3"], "the study sets train.seed itself"),
         (["--seeds", "1,x"], "is not a list of seeds"),
         (["model.n_heds=4"], "unknown key 'model.n_heds'"),
+        (["--jobs", "0"], "--jobs must be at least 1"),
+        (["--jobs", "2", "--launch", "configs/accelerate/cpu_ddp.yaml"], "drop --jobs or --launch"),
     ],
 )
 def test_bad_input_is_one_message_and_exit_2(
@@ -226,7 +229,7 @@ def study_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("study") / "tiny"
     cmd = [sys.executable, "-m", "tpe_train.study.cli", "run", "--preset", "demo", "--seeds", "1,2",
            "--encodings", "sinusoidal,learned", "--out", str(out), "--heatmap-positions", "40",
-           "--average", "2", *TINY]  # fmt: skip
+           "--average", "2", "--jobs", "2", *TINY]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "[4/4] learned seed 2: BLEU" in proc.stdout
@@ -247,6 +250,18 @@ def test_study_trains_every_cell_and_averages_its_last_checkpoints(study_dir: Pa
             torch.testing.assert_close(averaged[name], (last[0][name] + last[1][name]) / 2)
             figures = json.loads((run / "averaged-last2" / "eval.json").read_text())
             assert figures["test_sentences"] == 20 and figures["probe_pairs"] == 6
+
+
+def test_parallel_runs_overlap_and_share_the_cores(study_dir: Path) -> None:
+    """--jobs 2: the first two runs train at the same time, each with half of the cores."""
+    first, second = (study_dir / "runs" / "s1" / kind for kind in ("sinusoidal", "learned"))
+    spans = [
+        ((run / "config.yaml").stat().st_mtime, (run / "eval.json").stat().st_mtime)
+        for run in (first, second)
+    ]
+    assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1], spans
+    threads = max(1, len(os.sched_getaffinity(0)) // 2)
+    assert f"train.threads={threads}" in (first / "study.log").read_text()
 
 
 def test_study_writes_the_table_of_means_and_deviations(study_dir: Path) -> None:

@@ -1,6 +1,7 @@
 """``tpe-study``: run a grid of position-encoding settings x seeds from one preset, then report.
 
     tpe-study run --preset P [--encodings a,b,...] [--seeds 1,2,3] [--out DIR] [overrides ...]
+    tpe-study run ... --jobs 2                                       # 2 runs at a time, cores shared
     tpe-study run ... --launch configs/accelerate/cpu_ddp.yaml      # each run under accelerate launch
     tpe-study run ... --slurm --slurm-args "--gpus-per-node 8 --time 24:00:00"   # Slurm job arrays
     tpe-study report DIR                                             # gather again, no training
@@ -61,6 +62,13 @@ def run_parser() -> argparse.ArgumentParser:
         default="",
         help='tpe-launch submit options, one string: "--nodes 1 --gpus-per-node 8 --time 24:00:00 ..."',
     )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        default=1,
+        help="local runs at a time, each with cores/jobs threads (default 1; two 1-thread runs on 2 cores "
+        "train about 1.3x more tokens/s than one 2-thread run)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print what would run or be submitted; do nothing")
     p.add_argument("--verbose", action="store_true", help="show every run's output (always in its study.log)")
     p.add_argument("--no-report", action="store_true", help="do not write the report after the runs")
@@ -105,9 +113,14 @@ def cmd_run(argv: list[str]) -> int:
         return 0
     if args.slurm_args:
         raise StudyError("--slurm-args applies to --slurm; drop it, or add --slurm")
+    if args.jobs > 1 and args.launch:
+        raise StudyError(
+            "--jobs runs plain one-process runs side by side; with --launch each run already uses the "
+            "machine's processes: drop --jobs or --launch"
+        )
     if not args.dry_run:
         study.save()
-    failed = run_local(study, dry_run=args.dry_run, echo=args.verbose)
+    failed = run_local(study, dry_run=args.dry_run, echo=args.verbose, jobs=args.jobs)
     if args.dry_run:
         return 0
     if not args.no_report:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,9 +180,11 @@ class Study:
         except ConfigError as err:
             raise StudyError(f"setting {setting.name}, seed {seed}: {err}") from None
 
-    def train_command(self, setting: Setting, seed: int) -> list[str]:
-        """``python -m tpe_train.train ...``, or the same under ``accelerate launch --config_file``."""
-        args = ["-m", "tpe_train.train", "--preset", self.preset, *self.run_overrides(setting, seed)]
+    def train_command(self, setting: Setting, seed: int, extra: Sequence[str] = ()) -> list[str]:
+        """``python -m tpe_train.train ...``, or the same under ``accelerate launch --config_file``;
+        ``extra`` overrides come before the user's (``train.threads`` of parallel local runs)."""
+        overrides = self.run_overrides(setting, seed)
+        args = ["-m", "tpe_train.train", "--preset", self.preset, *overrides[:1], *extra, *overrides[1:]]
         if self.launch:
             return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", self.launch, *args]
         return [sys.executable, *args]

@@ -21,8 +21,10 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import yaml
@@ -49,83 +51,164 @@ def _tail(path: Path, lines: int = 15) -> str:
     return "\n".join("    " + line for line in text[-lines:])
 
 
-def run_local(study: Study, dry_run: bool = False, echo: bool = False, say: Print = print) -> list[str]:
-    """Train (and evaluate) every run of the grid that has no figures yet, one after the other.
+def run_local(
+    study: Study, dry_run: bool = False, echo: bool = False, say: Print = print, jobs: int = 1
+) -> list[str]:
+    """Train (and evaluate) every run of the grid that has no figures yet: ``jobs`` at a time, each
+    with an equal share of this machine's cores (``train.threads``, unless the overrides set it).
     Returns the failed runs (``setting seed S``); stops early (``StudyError``) on a preemption."""
     if study.launch and not Path(study.launch).is_file():
         raise StudyError(f"--launch {study.launch}: no such launch file (configs/accelerate/*.yaml)")
+    if jobs < 1:
+        raise StudyError(f"--jobs must be at least 1, got {jobs}")
     grid = study.grid()
     for setting, seed in grid:  # every config is checked before the first run starts
         study.config(setting, seed)
     env = dict(os.environ)
     if study.launch and _cpu_launch(study.launch):
         env.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed on CPU processes uses gloo
-    failed: list[str] = []
+    extra = _thread_share(study, jobs)
+    lock = threading.Lock()
+
+    def tell(line: str) -> None:  # whole lines, also from parallel runs
+        with lock:
+            say(line)
+
+    pending: list[tuple[str, Setting, int]] = []
     for number, (setting, seed) in enumerate(grid, 1):
         label = f"[{number}/{len(grid)}] {setting.name} seed {seed}"
-        run_dir = study.run_dir(setting, seed)
-        cmd = study.train_command(setting, seed)
         if dry_run:
-            say(f"{label}: {shlex.join(cmd)}")
+            say(f"{label}: {shlex.join(study.train_command(setting, seed, extra))}")
             if study.average:
                 say(f"{label}: then average the last {study.average} checkpoints and evaluate them")
-            continue
-        if study.eval_path(setting, seed).is_file():
+        elif study.eval_path(setting, seed).is_file():
             say(f"{label}: done already ({study.eval_path(setting, seed)})")
-            continue
-        if not (run_dir / "eval.json").is_file():
-            run_dir.mkdir(parents=True, exist_ok=True)
-            log = run_dir / "study.log"
-            say(f"{label}: training in {run_dir} (log: {log})")
-            start = time.perf_counter()
-            code = _run_logged(cmd, env, log, echo)
-            if code == EXIT_PREEMPTED:
-                raise Preempted(
-                    f"{label} was preempted (checkpoint saved); run the same tpe-study command again to "
-                    "resume it and the rest of the study"
-                )
-            if code != 0 or not (run_dir / "eval.json").is_file():
-                say(f"{label}: FAILED (exit {code}); the end of {log}:\n{_tail(log)}")
-                failed.append(f"{setting.name} seed {seed}")
-                continue
-            say(f"{label}: trained in {time.perf_counter() - start:.0f} s")
-        if study.average:
-            try:
-                average_and_evaluate(study, setting, seed)
-            except Exception as err:  # reported per run: the other runs of the study go on
-                say(f"{label}: averaging or evaluating FAILED: {err}")
-                failed.append(f"{setting.name} seed {seed}")
-                continue
-        figures = json.loads(study.eval_path(setting, seed).read_text())
-        say(f"{label}: BLEU {figures['bleu']:.2f} ({study.eval_path(setting, seed)})")
+        else:
+            pending.append((label, setting, seed))
+    if dry_run or not pending:
+        return []
+    runs = _Processes()
+    failed: list[str] = []
+    preempted: list[str] = []
+
+    def one(label: str, setting: Setting, seed: int) -> None:
+        if preempted:
+            return
+        outcome = _train_and_evaluate(study, setting, seed, extra, env, runs, echo and jobs == 1, label, tell)
+        if outcome == "preempted":
+            preempted.append(label)
+        elif outcome != "ok":
+            failed.append(f"{setting.name} seed {seed}")
+
+    with runs.forwarding_signals():
+        if jobs == 1:
+            for item in pending:
+                one(*item)
+        else:
+            with ThreadPoolExecutor(max_workers=jobs) as pool:
+                for future in [pool.submit(one, *item) for item in pending]:
+                    future.result()
+    if preempted:
+        raise Preempted(
+            f"{', '.join(preempted)} was preempted (checkpoint saved); run the same tpe-study command again "
+            "to resume it and the rest of the study"
+        )
     return failed
 
 
-def _run_logged(cmd: list[str], env: dict[str, str], log: Path, echo: bool) -> int:
-    """Run ``cmd`` with its output appended to ``log`` (and shown on the terminal with ``echo``)."""
-    with open(log, "a") as out:
-        out.write(f"\n$ {shlex.join(cmd)}\n")
-        out.flush()
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
-        assert proc.stdout is not None
+def _thread_share(study: Study, jobs: int) -> list[str]:
+    """``train.threads=<cores // jobs>`` for parallel local runs, unless the study's overrides set it."""
+    if jobs == 1 or any(o.partition("=")[0].strip() == "train.threads" for o in study.overrides):
+        return []
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return [f"train.threads={max(1, cores // jobs)}"]
 
-        def forward(signum: int, frame: object) -> None:  # preemption of the study preempts the run
-            proc.send_signal(signum)
+
+def _train_and_evaluate(
+    study: Study,
+    setting: Setting,
+    seed: int,
+    extra: list[str],
+    env: dict[str, str],
+    runs: _Processes,
+    echo: bool,
+    label: str,
+    say: Print,
+) -> str:
+    """One run of the grid: train it (unless its export was evaluated already), average and evaluate
+    with ``average``; ``ok``, ``failed`` or ``preempted``."""
+    run_dir = study.run_dir(setting, seed)
+    if not (run_dir / "eval.json").is_file():
+        run_dir.mkdir(parents=True, exist_ok=True)
+        log = run_dir / "study.log"
+        say(f"{label}: training in {run_dir} (log: {log})")
+        start = time.perf_counter()
+        code = runs.run_logged(study.train_command(setting, seed, extra), env, log, echo)
+        if code == EXIT_PREEMPTED:
+            return "preempted"
+        if code != 0 or not (run_dir / "eval.json").is_file():
+            say(f"{label}: FAILED (exit {code}); the end of {log}:\n{_tail(log)}")
+            return "failed"
+        say(f"{label}: trained in {time.perf_counter() - start:.0f} s")
+    if study.average:
+        try:
+            average_and_evaluate(study, setting, seed)
+        except Exception as err:  # reported per run: the other runs of the study go on
+            say(f"{label}: averaging or evaluating FAILED: {err}")
+            return "failed"
+    figures = json.loads(study.eval_path(setting, seed).read_text())
+    say(f"{label}: BLEU {figures['bleu']:.2f} ({study.eval_path(setting, seed)})")
+    return "ok"
+
+
+class _Processes:
+    """The study's live training processes; SIGTERM / SIGUSR1 to the study are passed on to all of them
+    (preemption of the study preempts its runs: each saves a checkpoint and exits 75)."""
+
+    def __init__(self) -> None:
+        self.live: set[subprocess.Popen[str]] = set()
+        self.lock = threading.Lock()
+
+    @contextlib.contextmanager
+    def forwarding_signals(self) -> Iterator[None]:
+        def forward(signum: int, frame: object) -> None:
+            with self.lock:
+                for proc in self.live:
+                    proc.send_signal(signum)
 
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
         try:
-            for line in proc.stdout:
-                out.write(line)
-                if echo:
-                    sys.stdout.write(line)
+            yield
         except KeyboardInterrupt:
-            proc.terminate()  # the trainer saves on SIGTERM; the next tpe-study run resumes it
-            proc.wait()
+            with self.lock:
+                for proc in self.live:
+                    proc.terminate()  # the trainer saves on SIGTERM; the next tpe-study run resumes it
             raise
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-        return proc.wait()
+
+    def run_logged(self, cmd: list[str], env: dict[str, str], log: Path, echo: bool) -> int:
+        """Run ``cmd`` with its output appended to ``log`` (and shown on the terminal with ``echo``)."""
+        with open(log, "a") as out:
+            out.write(f"\n$ {shlex.join(cmd)}\n")
+            out.flush()
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
+            assert proc.stdout is not None
+            with self.lock:
+                self.live.add(proc)
+            try:
+                for line in proc.stdout:
+                    out.write(line)
+                    if echo:
+                        sys.stdout.write(line)
+                return proc.wait()
+            finally:
+                with self.lock:
+                    self.live.discard(proc)
+                if proc.poll() is None:  # interrupted: let the trainer save and exit
+                    proc.terminate()
+                    proc.wait()
 
 
 def average_and_evaluate(study: Study, setting: Setting, seed: int) -> Path:
