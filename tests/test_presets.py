@@ -7,7 +7,13 @@ import pytest
 from tpe_train.config import PRESET_DIR, load_config
 from tpe_train.positions import POSITIONS
 
-STUDY_PRESETS = ["wmt14_en_de_base", "wmt14_en_de_big", "wmt14_en_fr_big", "multi30k_en_de"]
+STUDY_PRESETS = [
+    "wmt14_en_de_base",
+    "wmt14_en_de_big",
+    "wmt14_en_fr_big",
+    "multi30k_en_de",
+    "multi30k_en_de_cpu",
+]
 PAPER_RANKS = 8  # Vaswani et al. trained on 8 GPUs; the presets' batch is per rank
 
 
