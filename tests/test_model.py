@@ -191,3 +191,25 @@ def test_beam_search_batch_equals_one_sentence_at_a_time(kind: str) -> None:
         assert beam_search(model, row, beam=3, max_len_a=1.0, max_len_b=4) == [batched[i]]
     lengths = {len(h) for h in batched}
     assert len(lengths) > 1  # the sentences did finish at different steps
+
+
+def test_kv_cache_reorders_and_shrinks_like_indexing_the_full_history() -> None:
+    # Past the first capacity (64), through reorders of the same batch and a shrinking batch, the
+    # cache holds exactly the appended keys/values indexed by the composed row selections.
+    from tpe_train.model.attention import KVCache
+
+    torch.manual_seed(0)
+    cache, ks, vs = KVCache(), [], []
+    rows = 6
+    for step in range(70):
+        k, v = torch.randn(rows, 2, 1, 4), torch.randn(rows, 2, 1, 4)
+        ks.append(k)
+        vs.append(v)
+        got_k, got_v = cache.append(k, v)
+        torch.testing.assert_close(got_k, torch.cat(ks, dim=2), rtol=0, atol=0)
+        torch.testing.assert_close(got_v, torch.cat(vs, dim=2), rtol=0, atol=0)
+        index = torch.randint(0, rows, (rows - 1 if step in (30, 65) else rows,))
+        cache.reorder(index)
+        ks, vs = [k[index] for k in ks], [v[index] for v in vs]
+        rows = index.numel()
+    assert rows == 4 and cache.length == 70

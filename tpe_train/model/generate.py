@@ -79,16 +79,21 @@ def beam_search(
     for step in range(int(limit.max())):
         batch = len(alive)
         logits = model.decode(tokens[:, -1:], memory, cache)[:, -1]  # (B*K, V)
-        lprobs = torch.log_softmax(logits.float(), dim=-1)
-        forced = (limit <= step + 1).repeat_interleave(beam)  # must end now
-        if bool(forced.any()):
-            eos_only = torch.full_like(lprobs[0], float("-inf"))
-            eos_only[args.eos_id] = 0.0
-            lprobs = torch.where(forced[:, None], eos_only + lprobs[:, args.eos_id : args.eos_id + 1], lprobs)
-        lprobs[:, args.pad_id] = float("-inf")
         # A sentence's best 2K continuations are among the best 2K of each of its beams: select per
-        # row first, then among the K * 2K survivors (cheaper than adding scores to all K * V).
-        row_scores, row_tokens = lprobs.topk(2 * beam, dim=-1)  # (B*K, 2K)
+        # row first, then among the K * 2K survivors (cheaper than adding scores to all K * V). Rows
+        # are ranked on the logits and only the survivors normalised (log p = logit - logsumexp), so
+        # no (B*K, V) log-softmax is written.
+        logits = logits.float()
+        norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # (B*K, 1)
+        eos_lprob = logits[:, args.eos_id] - norm[:, 0]
+        logits[:, args.pad_id] = float("-inf")
+        row_scores, row_tokens = logits.topk(2 * beam, dim=-1)  # (B*K, 2K)
+        row_scores -= norm
+        forced = (limit <= step + 1).repeat_interleave(beam)  # must end now: EOS is the only choice
+        if bool(forced.any()):
+            row_scores[forced] = float("-inf")
+            row_scores[forced, 0] = eos_lprob[forced]
+            row_tokens[forced, 0] = args.eos_id
         cand = (scores.view(-1, 1) + row_scores).view(batch, 2 * beam * beam)
         top_scores, top_pos = cand.topk(2 * beam, dim=-1)  # (B, 2K)
         src_beam = top_pos // (2 * beam)
