@@ -213,3 +213,17 @@ def test_kv_cache_reorders_and_shrinks_like_indexing_the_full_history() -> None:
         ks, vs = [k[index] for k in ks], [v[index] for v in vs]
         rows = index.numel()
     assert rows == 4 and cache.length == 70
+
+
+def test_packed_output_projection_equals_the_plain_product() -> None:
+    from tpe_train.model.kernels import _onednn_usable, packed_linear
+
+    torch.manual_seed(0)
+    weight, bias, x = torch.randn(300, 48), torch.randn(300), torch.randn(5, 3, 48)
+    expected = torch.nn.functional.linear(x, weight, bias)
+    torch.testing.assert_close(packed_linear(weight, bias)(x), expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed_linear(weight)(x[:, :1]), x[:, :1] @ weight.t(), atol=1e-5, rtol=1e-5)
+    assert _onednn_usable(weight) == torch.backends.mkldnn.is_available()
+    assert not _onednn_usable(weight.bfloat16()) and not _onednn_usable(torch.empty(0))
+    half = packed_linear(weight.bfloat16())(x.bfloat16())  # other dtypes: the plain product
+    torch.testing.assert_close(half, torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()))

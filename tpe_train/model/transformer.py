@@ -16,6 +16,7 @@ from torch import Tensor, nn
 
 from tpe_train.model.args import ModelArgs
 from tpe_train.model.attention import Attention, KVCache
+from tpe_train.model.kernels import Linear, packed_linear
 from tpe_train.positions import POSITIONS, PositionEncoding, build_position
 
 
@@ -164,14 +165,16 @@ class Stack(nn.Module):
 
 @dataclass
 class DecoderCache:
-    """Per-layer KV caches plus the number of target positions already decoded."""
+    """Per-layer KV caches, the number of target positions already decoded, and the output
+    projection of this decoding (its weight packed once for the device's fastest kernel)."""
 
     layers: list[dict[str, KVCache]] = field(default_factory=list)
     offset: int = 0
+    project: Linear | None = None
 
     @classmethod
-    def empty(cls, n_layers: int) -> DecoderCache:
-        return cls([{"self": KVCache(), "cross": KVCache()} for _ in range(n_layers)], 0)
+    def empty(cls, n_layers: int, project: Linear | None = None) -> DecoderCache:
+        return cls([{"self": KVCache(), "cross": KVCache()} for _ in range(n_layers)], 0, project)
 
     def reorder(self, index: Tensor) -> None:
         """Keep rows ``index`` of the batch (beam search).
@@ -258,6 +261,8 @@ class Transformer(nn.Module):
         )
         if cache is not None:
             cache.offset += tgt_in.shape[1]
+            if cache.project is not None:
+                return cache.project(h)
         return F.linear(h, self.embed.weight)
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
@@ -265,4 +270,7 @@ class Transformer(nn.Module):
         return self.decode(tgt_in, self.encode(src))
 
     def new_cache(self) -> DecoderCache:
-        return DecoderCache.empty(len(self.decoder.layers))
+        """An empty cache for incremental decoding; in eval mode it also carries the output projection
+        packed for inference (``kernels.packed_linear``), valid while the weights do not change."""
+        project = None if self.training else packed_linear(self.embed.weight)
+        return DecoderCache.empty(len(self.decoder.layers), project)
