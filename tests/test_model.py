@@ -215,15 +215,25 @@ def test_kv_cache_reorders_and_shrinks_like_indexing_the_full_history() -> None:
     assert rows == 4 and cache.length == 70
 
 
-def test_packed_output_projection_equals_the_plain_product() -> None:
-    from tpe_train.model.kernels import _onednn_usable, packed_linear
+def test_packed_linear_equals_the_plain_product_only_inside_inference() -> None:
+    from tpe_train.model import kernels
 
     torch.manual_seed(0)
-    weight, bias, x = torch.randn(300, 48), torch.randn(300), torch.randn(5, 3, 48)
-    expected = torch.nn.functional.linear(x, weight, bias)
-    torch.testing.assert_close(packed_linear(weight, bias)(x), expected, atol=1e-5, rtol=1e-5)
-    torch.testing.assert_close(packed_linear(weight)(x[:, :1]), x[:, :1] @ weight.t(), atol=1e-5, rtol=1e-5)
-    assert _onednn_usable(weight) == torch.backends.mkldnn.is_available()
-    assert not _onednn_usable(weight.bfloat16()) and not _onednn_usable(torch.empty(0))
-    half = packed_linear(weight.bfloat16())(x.bfloat16())  # other dtypes: the plain product
-    torch.testing.assert_close(half, torch.nn.functional.linear(x.bfloat16(), weight.bfloat16()))
+    layer = kernels.Linear(48, 300)
+    x = torch.randn(5, 3, 48)
+    expected = torch.nn.functional.linear(x, layer.weight, layer.bias)
+    with kernels.packed_inference():
+        torch.testing.assert_close(layer(x), expected, atol=1e-5, rtol=1e-5)
+        assert len(kernels._SCOPE.packed) == int(kernels._ONEDNN)  # packed once, reused
+        torch.testing.assert_close(layer(x[:, :1]), expected[:, :1], atol=1e-5, rtol=1e-5)
+        assert len(kernels._SCOPE.packed) == int(kernels._ONEDNN)
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # autocast keeps its bf16 product
+            assert layer(x).dtype == torch.bfloat16
+    assert not kernels._SCOPE.packed  # dropped at the end: a later change of the weights is seen
+    with torch.no_grad():
+        layer.weight.mul_(2)
+    with kernels.packed_inference():
+        torch.testing.assert_close(layer(x), 2 * (expected - layer.bias) + layer.bias, atol=1e-4, rtol=1e-5)
+    out = layer(x)  # outside: autograd as ever
+    out.sum().backward()
+    assert layer.weight.grad is not None

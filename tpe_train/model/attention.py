@@ -11,6 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from tpe_train.model.kernels import Linear
 from tpe_train.positions import PositionEncoding
 
 
@@ -92,10 +93,10 @@ class Attention(nn.Module):
     def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
         super().__init__()
         self.head_dim = d_model // n_heads
-        self.q = nn.Linear(d_model, d_model)
-        self.k = nn.Linear(d_model, d_model)
-        self.v = nn.Linear(d_model, d_model)
-        self.out = nn.Linear(d_model, d_model)
+        self.q = Linear(d_model, d_model)
+        self.k = Linear(d_model, d_model)
+        self.v = Linear(d_model, d_model)
+        self.out = Linear(d_model, d_model)
         self.dropout = dropout
 
     def _split(self, x: Tensor) -> Tensor:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from tpe_train.model.kernels import packed_inference
 from tpe_train.model.transformer import Transformer
 
 
@@ -24,7 +25,7 @@ def _max_lengths(model: Transformer, src: Tensor, max_len_a: float, max_len_b: i
     return limit.clamp(min=1)
 
 
-@torch.no_grad()
+@packed_inference()
 def greedy(model: Transformer, src: Tensor, max_len_a: float = 1.0, max_len_b: int = 50) -> list[list[int]]:
     """Greedy decoding of a batch of sources (B, Ls) -> token ids without BOS/EOS."""
     args = model.args
@@ -50,7 +51,7 @@ def greedy(model: Transformer, src: Tensor, max_len_a: float = 1.0, max_len_b: i
     return out
 
 
-@torch.no_grad()
+@packed_inference()
 def beam_search(
     model: Transformer,
     src: Tensor,

@@ -1,50 +1,86 @@
-"""Inference-only kernels chosen by device: a linear layer whose weight is packed once for oneDNN.
+"""Inference kernels chosen by device: linear layers whose weights are packed for oneDNN.
 
-On x86 CPUs PyTorch sends fp32 ``F.linear`` to MKL's sgemm, which on AMD processors runs far below
-the machine's peak; oneDNN (bundled with PyTorch, the path PyTorch's compiler takes for frozen CPU
-weights) computes the same product 1.3-1.6x faster here when the weight is reordered into its blocked
-layout first (measured on this 2-core EPYC, one thread: 256x256 @ 256x8000 at 61-67 against 36-45
-GFLOP/s). Packing costs one pass over the weight, so it pays where one weight serves many calls with
-unchanged values: the output projection of every step of a decoding. Training keeps ``F.linear``
-(its weights change every step and it needs autograd). Elsewhere (GPU, other dtypes, a PyTorch built
-without oneDNN) the plain product is used.
+On x86 CPUs PyTorch sends fp32 ``F.linear`` to MKL's sgemm, which on AMD processors runs well below
+the machine's peak; oneDNN (bundled with PyTorch; the path PyTorch's compiler takes for frozen CPU
+weights) computes the same products faster once a weight is reordered into its blocked layout
+(measured on this 2-core EPYC, one thread, median speed-up: 1.2x at 256x256 @ 256x256, 1.5x at
+256x1024 @ 1024x256, 1.3-1.6x for the 8,000-word output projection). Packing costs one pass over the
+weight, so it pays where a weight serves many products with unchanged values: inference, above all the
+steps of a decoding. Packing happens only inside ``packed_inference()`` (greedy and beam search
+enter it): there the weights cannot change, and the packed copies are dropped when it ends. Anywhere
+else, and for autograd, autocast, other dtypes and devices, or a PyTorch without oneDNN, plain
+``F.linear`` is used.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+import threading
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
-Linear = Callable[[Tensor], Tensor]
-
-
-def packed_linear(weight: Tensor, bias: Tensor | None = None, rows: int = 256) -> Linear:
-    """``x -> F.linear(x, weight, bias)`` with ``weight`` packed once for oneDNN (CPU fp32, no grad);
-    ``rows``: the expected rows of ``x`` (a layout hint; any number of rows works)."""
-    weight = weight.detach()
-    bias = bias.detach() if bias is not None else None
-    if not _onednn_usable(weight):
-        return lambda x: F.linear(x, weight, bias)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
-
-    def linear(x: Tensor) -> Tensor:
-        if x.dtype != torch.float32 or x.requires_grad:
-            return F.linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-    return linear
+_ONEDNN = (
+    torch.backends.mkldnn.is_available()
+    and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+    and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+)
 
 
-def _onednn_usable(weight: Tensor) -> bool:
+class _Scope(threading.local):
+    depth = 0
+    packed: dict[int, tuple[Tensor, Tensor]]  # id(weight) -> (weight, packed weight)
+
+    def __init__(self) -> None:
+        self.packed = {}
+
+
+_SCOPE = _Scope()
+
+
+@contextlib.contextmanager
+def packed_inference() -> Iterator[None]:
+    """Within this block the weights do not change: linear layers may pack their weights once."""
+    _SCOPE.depth += 1
+    try:
+        with torch.no_grad():
+            yield
+    finally:
+        _SCOPE.depth -= 1
+        if _SCOPE.depth == 0:
+            _SCOPE.packed.clear()
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)``; inside ``packed_inference`` on a CPU in fp32, through oneDNN with
+    the weight packed on first use."""
+    if not _packable(x, weight):
+        return F.linear(x, weight, bias)
+    entry = _SCOPE.packed.get(id(weight))
+    if entry is None or entry[0] is not weight:
+        entry = (weight, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 256))
+        _SCOPE.packed[id(weight)] = entry
+    return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
+
+
+def _packable(x: Tensor, weight: Tensor) -> bool:
     return (
-        weight.device.type == "cpu"
+        _SCOPE.depth > 0
+        and _ONEDNN
+        and not torch.is_grad_enabled()
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
         and weight.dtype == torch.float32
         and weight.dim() == 2
         and weight.numel() > 0  # a ZeRO-3 placeholder outside a gathered context has no values
-        and torch.backends.mkldnn.is_available()
-        and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+        and not torch.is_autocast_enabled("cpu")
     )
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` that takes ``linear`` (oneDNN with a packed weight inside ``packed_inference``)."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)

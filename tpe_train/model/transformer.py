@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from tpe_train.model.args import ModelArgs
 from tpe_train.model.attention import Attention, KVCache
-from tpe_train.model.kernels import Linear, packed_linear
+from tpe_train.model.kernels import Linear, linear
 from tpe_train.positions import POSITIONS, PositionEncoding, build_position
 
 
@@ -25,8 +25,8 @@ class FeedForward(nn.Module):
 
     def __init__(self, d_model: int, ffn_dim: int, dropout: float) -> None:
         super().__init__()
-        self.fc_in = nn.Linear(d_model, ffn_dim)
-        self.fc_out = nn.Linear(ffn_dim, d_model)
+        self.fc_in = Linear(d_model, ffn_dim)
+        self.fc_out = Linear(ffn_dim, d_model)
         self.dropout = dropout
 
     def forward(self, x: Tensor) -> Tensor:
@@ -165,16 +165,14 @@ class Stack(nn.Module):
 
 @dataclass
 class DecoderCache:
-    """Per-layer KV caches, the number of target positions already decoded, and the output
-    projection of this decoding (its weight packed once for the device's fastest kernel)."""
+    """Per-layer KV caches plus the number of target positions already decoded."""
 
     layers: list[dict[str, KVCache]] = field(default_factory=list)
     offset: int = 0
-    project: Linear | None = None
 
     @classmethod
-    def empty(cls, n_layers: int, project: Linear | None = None) -> DecoderCache:
-        return cls([{"self": KVCache(), "cross": KVCache()} for _ in range(n_layers)], 0, project)
+    def empty(cls, n_layers: int) -> DecoderCache:
+        return cls([{"self": KVCache(), "cross": KVCache()} for _ in range(n_layers)], 0)
 
     def reorder(self, index: Tensor) -> None:
         """Keep rows ``index`` of the batch (beam search).
@@ -221,7 +219,7 @@ class Transformer(nn.Module):
     def reset_parameters(self) -> None:
         """Xavier-uniform projections and zero biases (fairseq); N(0, d^-1/2) embeddings."""
         for module in self.modules():
-            if isinstance(module, nn.Linear):
+            if isinstance(module, nn.Linear):  # kernels.Linear too
                 nn.init.xavier_uniform_(module.weight)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
@@ -261,16 +259,11 @@ class Transformer(nn.Module):
         )
         if cache is not None:
             cache.offset += tgt_in.shape[1]
-            if cache.project is not None:
-                return cache.project(h)
-        return F.linear(h, self.embed.weight)
+        return linear(h, self.embed.weight)  # oneDNN with a packed weight at inference on CPUs
 
     def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
         """Teacher-forced logits (B, Lt, V)."""
         return self.decode(tgt_in, self.encode(src))
 
     def new_cache(self) -> DecoderCache:
-        """An empty cache for incremental decoding; in eval mode it also carries the output projection
-        packed for inference (``kernels.packed_linear``), valid while the weights do not change."""
-        project = None if self.training else packed_linear(self.embed.weight)
-        return DecoderCache.empty(len(self.decoder.layers), project)
+        return DecoderCache.empty(len(self.decoder.layers))
