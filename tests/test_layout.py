@@ -28,9 +28,18 @@ def test_model_and_positions_import_only_torch_and_each_other() -> None:
                     allowed = ("tpe_train.model", "tpe_train.positions", "tpe_train.registry")
                     assert name.startswith(allowed), f"{path.name} imports {name}"
                 else:
-                    assert top in {"torch", "__future__", "math", "dataclasses", "typing", "collections"}, (
-                        f"{path.relative_to(ROOT)} imports {name}"
-                    )
+                    # torch and small parts of the standard library (the packed-inference scope of
+                    # model/kernels.py is a context manager with per-thread state)
+                    stdlib = {
+                        "__future__",
+                        "math",
+                        "dataclasses",
+                        "typing",
+                        "collections",
+                        "contextlib",
+                        "threading",
+                    }
+                    assert top in {"torch", *stdlib}, f"{path.relative_to(ROOT)} imports {name}"
 
 
 def test_parallel_never_imports_model_and_model_never_imports_parallel() -> None:
