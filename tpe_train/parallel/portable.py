@@ -99,12 +99,19 @@ def load_state(engine: Engine, weights: dict[str, Tensor], moments: dict[str, Te
         with engine.gathered(modify=True) as full:  # the module's own (possibly bf16) weights
             for name, p in full.named_parameters():
                 p.data.copy_(_slice_tp(name, p, weights[name], ctx).to(p.dtype))
+        state = torch_optimizer(engine.optimizer).state
         for name, p in module.named_parameters():
+            # Without ZeRO (and in fp32) there are no fragments: the torch optimizer updates the
+            # parameter itself, whose weights were set above and whose moments are its own state.
+            fragments = hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
             safe_set_full_fp32_param(p, _slice_tp(name, p, weights[name], ctx).to(_device(p)))
             for m in MOMENTS:
                 if f"{m}/{name}" in moments:
                     value = _slice_tp(name, p, moments[f"{m}/{name}"], ctx).to(_device(p))
-                    safe_set_full_optimizer_state(p, value, m)
+                    if fragments:
+                        safe_set_full_optimizer_state(p, value, m)
+                    else:
+                        state[p][m].copy_(value)
         zero: Any = getattr(engine.optimizer, "optimizer", None)
         if getattr(zero, "_hp_optimizer_states_linked", False):
             # The optimizer's first step may rebuild its state tensors: link the fragments again then.
