@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tpe_train.config import PRESET_DIR, load_config
+from tpe_train.config import PRESET_DIR, ConfigError, load_config
 from tpe_train.positions import POSITIONS
 
 STUDY_PRESETS = [
@@ -78,6 +78,18 @@ def test_wmt14_big_presets_are_the_papers_big_models() -> None:
     # En-Fr big: dropout 0.1 instead of 0.3, 32,000 shared vocabulary, the fr-en corpus
     assert fr.model.dropout == 0.1 and fr.data.vocab_size == 32000
     assert (fr.data.hub_config, fr.data.src_lang, fr.data.tgt_lang) == ("fr-en", "en", "fr")
+
+
+def test_multi30k_path_comes_from_the_environment_or_the_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("MULTI30K", raising=False)
+    assert load_config("multi30k_en_de").data.path == "../shared/data/multi30k"
+    monkeypatch.setenv("MULTI30K", "/data/multi30k")
+    assert load_config("multi30k_en_de").data.path == "/data/multi30k"
+    assert load_config("multi30k_en_de_cpu").data.path == "/data/multi30k"  # through base:
+    assert load_config("multi30k_en_de", ["data.path=/x"]).data.path == "/x"  # an override still wins
+    monkeypatch.delenv("MULTI30K")
+    with pytest.raises(ConfigError, match=r"cannot resolve an interpolation.*NO_SUCH_VARIABLE_TPE"):
+        load_config("demo", ["data.path=${oc.env:NO_SUCH_VARIABLE_TPE}"])
 
 
 def test_multi30k_reads_text_files_from_a_path_given_by_override() -> None:

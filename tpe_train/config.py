@@ -1,7 +1,8 @@
 """Typed configuration: one section per component, loaded in one place, in one order.
 
 defaults (the classes below) < preset YAML (``configs/presets/<name>.yaml``, optionally ``base:``-chained)
-< dotted command-line overrides (``model.position.kind=rope``). Loading and merging use OmegaConf;
+< dotted command-line overrides (``model.position.kind=rope``). Loading and merging use OmegaConf,
+whose interpolations are resolved last (``${oc.env:NAME,default}`` reads an environment variable);
 typing and validation use pydantic (unknown keys, wrong types and impossible combinations are errors
 that name the key and the fix). Every field carries a one-line docstring, which is its documentation.
 """
@@ -449,7 +450,21 @@ def load_config(preset: str | None = "demo", overrides: list[str] | None = None)
         data.setdefault("preset", Path(preset).stem)
     if overrides:
         data = _merge(data, parse_overrides(overrides))
-    return validate(data)
+    return validate(_resolve(data))
+
+
+def _resolve(data: dict[str, Any]) -> dict[str, Any]:
+    """OmegaConf interpolations resolved, e.g. ``path: ${oc.env:MULTI30K,../shared/data/multi30k}``
+    (an environment variable, with a default after the comma) or ``${model.d_model}``."""
+    try:
+        out = OmegaConf.to_container(OmegaConf.create(data), resolve=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(
+            f"cannot resolve an interpolation in the preset or overrides ({str(err).splitlines()[0]}); "
+            "set the environment variable, or give a default: ${oc.env:NAME,default}"
+        ) from None
+    assert isinstance(out, dict)
+    return out  # type: ignore[return-value]
 
 
 def validate(data: dict[str, Any]) -> Config:
