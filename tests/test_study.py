@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -262,6 +264,28 @@ def test_parallel_runs_overlap_and_share_the_cores(study_dir: Path) -> None:
     assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1], spans
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
     assert f"train.threads={threads}" in (first / "study.log").read_text()
+
+
+def test_interrupting_parallel_runs_stops_them_and_starts_no_more(tmp_path: Path) -> None:
+    """Ctrl-C during --jobs 2: both running runs get SIGTERM (they save and exit), the third never
+    starts, and the study exits at once with 130 instead of training what was queued."""
+    out = tmp_path / "s"
+    long = [o for o in TINY if not o.startswith(("train.max_steps", "train.save_every"))]
+    cmd = [sys.executable, "-m", "tpe_train.study.cli", "run", "--preset", "demo", "--seeds", "1",
+           "--jobs", "2", "--encodings", "sinusoidal,learned,rope", "--out", str(out), *long,
+           "train.max_steps=100000", "train.save_every=100000"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    runs = [out / "runs" / "s1" / kind for kind in ("sinusoidal", "learned")]
+    deadline = time.monotonic() + 300
+    while not all((run / "config.yaml").is_file() for run in runs):  # both are training
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGINT)
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 130, output[-3000:]
+    for run in runs:  # each saved where SIGTERM found it
+        assert (run / "preempted.json").is_file(), output[-3000:]
+    assert not (out / "runs" / "s1" / "rope").exists()
 
 
 def test_study_writes_the_table_of_means_and_deviations(study_dir: Path) -> None:

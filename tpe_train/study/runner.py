@@ -105,9 +105,16 @@ def run_local(
             for item in pending:
                 one(*item)
         else:
-            with ThreadPoolExecutor(max_workers=jobs) as pool:
+            pool = ThreadPoolExecutor(max_workers=jobs)
+            try:
                 for future in [pool.submit(one, *item) for item in pending]:
                     future.result()
+            except BaseException:  # Ctrl-C: no new runs; the running ones save and stop
+                preempted.append("interrupted")
+                runs.terminate()
+                raise
+            finally:
+                pool.shutdown(wait=True, cancel_futures=True)
     if preempted:
         raise Preempted(
             f"{', '.join(preempted)} was preempted (checkpoint saved); run the same tpe-study command again "
@@ -168,6 +175,7 @@ class _Processes:
     def __init__(self) -> None:
         self.live: set[subprocess.Popen[str]] = set()
         self.lock = threading.Lock()
+        self.stopped = False  # after ``terminate``, a run that starts late is stopped at once
 
     @contextlib.contextmanager
     def forwarding_signals(self) -> Iterator[None]:
@@ -180,13 +188,18 @@ class _Processes:
         try:
             yield
         except KeyboardInterrupt:
-            with self.lock:
-                for proc in self.live:
-                    proc.terminate()  # the trainer saves on SIGTERM; the next tpe-study run resumes it
+            self.terminate()
             raise
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def terminate(self) -> None:
+        """SIGTERM to every running run: the trainer saves and exits; the next tpe-study run resumes it."""
+        with self.lock:
+            self.stopped = True
+            for proc in self.live:
+                proc.terminate()
 
     def run_logged(self, cmd: list[str], env: dict[str, str], log: Path, echo: bool) -> int:
         """Run ``cmd`` with its output appended to ``log`` (and shown on the terminal with ``echo``)."""
@@ -197,6 +210,8 @@ class _Processes:
             assert proc.stdout is not None
             with self.lock:
                 self.live.add(proc)
+                if self.stopped:
+                    proc.terminate()
             try:
                 for line in proc.stdout:
                     out.write(line)
