@@ -544,6 +544,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--no-hf", action="store_true", help="skip the Hugging Face models")
     p.add_argument("--no-decode", action="store_true", help="skip the beam-search benchmark")
+    p.add_argument("--no-train", action="store_true", help="skip the training benchmark (decoding only)")
+    p.add_argument("--decode-rounds", type=int, default=3, help="timed beam-search batches a row (default 3)")
     p.add_argument("--no-bf16", action="store_true", help="training in fp32 only")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument("--json", type=Path, help="write every number to this file")
@@ -552,6 +554,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown:
         p.error(f"unknown encoding(s) {unknown}; choose from {kinds}")
     return args
+
+
+def run_training(
+    args: argparse.Namespace, kinds: list[str], hf_names: list[str], dtypes: list[str], batches: list[Batch]
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The training rows, interleaved with the matmul peak; printed, and returned (with that peak)."""
+    train_rows = [
+        TrainRow(name, dtype, tpe_model(name) if not name.startswith("hf-") else hf_model(name), batches)
+        for dtype in dtypes
+        for name in [*kinds, *hf_names]
+    ]
+    during = PeakSampler(reps=3)
+    run_interleaved([*train_rows, during], args.warmup, args.steps, "train")
+    peak = during.result()
+    train = train_results(train_rows, batches, peak)
+    print()
+    print_peak("during training (interleaved with the steps; used for MFU)", peak)
+    print(
+        f"\ntraining step (fwd + label-smoothed loss + bwd + Adam), median of {args.steps} interleaved steps"
+        f" after {args.warmup} warm-up;\nvs HF = tok/s / tok/s of matching HF model (>1: tpe faster);"
+        " vs none = step time / tpe none's (same dtype);\nMFU = model FLOP/s / fp32 matmul peak;"
+        " MFU(bf16pk) = model FLOP/s / bf16 matmul peak"
+    )
+    print_train(train)
+    del train_rows
+    gc.collect()
+    return train, peak
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -597,26 +626,10 @@ def main(argv: list[str] | None = None) -> None:
     peak_start = sampler.result()
     print_peak("at start", peak_start)
 
-    train_rows = [
-        TrainRow(name, dtype, tpe_model(name) if not name.startswith("hf-") else hf_model(name), batches)
-        for dtype in dtypes
-        for name in [*kinds, *hf_names]
-    ]
-    during = PeakSampler(reps=3)
-    run_interleaved([*train_rows, during], args.warmup, args.steps, "train")
-    peak = during.result()
-    train = train_results(train_rows, batches, peak)
-    print()
-    print_peak("during training (interleaved with the steps; used for MFU)", peak)
-    print(
-        f"\ntraining step (fwd + label-smoothed loss + bwd + Adam), median of {args.steps} interleaved steps"
-        f" after {args.warmup} warm-up;\nvs HF = tok/s / tok/s of matching HF model (>1: tpe faster);"
-        " vs none = step time / tpe none's (same dtype);\nMFU = model FLOP/s / fp32 matmul peak;"
-        " MFU(bf16pk) = model FLOP/s / bf16 matmul peak"
-    )
-    print_train(train)
-    del train_rows
-    gc.collect()
+    train: list[dict[str, Any]] = []
+    peak: dict[str, Any] = {}
+    if not args.no_train:
+        train, peak = run_training(args, kinds, hf_names, dtypes, batches)
 
     decode: list[dict[str, Any]] = []
     if not args.no_decode:
@@ -624,7 +637,7 @@ def main(argv: list[str] | None = None) -> None:
         rows = [DecodeRow(k, tpe_model(k), src) for k in kinds] + [
             DecodeRow(n, hf_model(n), src) for n in hf_names
         ]
-        run_interleaved(rows, min(args.warmup, 1), max(1, min(args.steps, 3)), "decode")
+        run_interleaved(rows, min(args.warmup, 1), max(1, args.decode_rounds), "decode")
         decode = decode_results(rows)
         print(
             f"\nbeam search: beam 4, alpha 0.6, KV cache, fp32, {DECODE_BATCH} sentences"

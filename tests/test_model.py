@@ -239,3 +239,23 @@ def test_packed_linear_equals_the_plain_product_only_inside_inference() -> None:
     out = layer(x)  # outside: autograd as ever
     out.sum().backward()
     assert layer.weight.grad is not None
+
+
+@pytest.mark.parametrize("kind", [*KINDS, "shaw+values"])
+def test_packed_incremental_decoding_equals_the_plain_full_pass(kind: str) -> None:
+    # Inside packed_inference (greedy and beam search): packed weights, q/k/v in one product.
+    from tpe_train.model import kernels
+
+    model = tiny_model("shaw", shaw_values=True) if kind == "shaw+values" else tiny_model(kind)
+    src = torch.randint(3, 40, (2, 7))
+    src[1, 5:] = 0
+    tgt = torch.randint(3, 40, (2, 6))
+    with torch.no_grad():
+        full = model.decode(tgt, model.encode(src))
+    with kernels.packed_inference():
+        memory, cache = model.encode(src), model.new_cache()
+        steps = [model.decode(tgt[:, i : i + 1], memory, cache) for i in range(6)]
+        assert len(kernels._SCOPE.fused) == (len(model.encoder.layers) + len(model.decoder.layers)) * int(
+            kernels._ONEDNN
+        )
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)

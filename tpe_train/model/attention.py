@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from tpe_train.model.kernels import Linear
+from tpe_train.model.kernels import Linear, linears
 from tpe_train.positions import PositionEncoding
 
 
@@ -122,16 +122,17 @@ class Attention(nn.Module):
         in place (self-attention appends; cross-attention projects the memory once). ``group``: each
         memory row serves that many consecutive rows of ``x`` (the beams of one sentence).
         """
-        q = self._split(self.q(x))
         if memory is None:
-            k, v = self._split(self.k(x)), self._split(self.v(x))
+            q, k, v = (self._split(t) for t in linears(x, (self.q, self.k, self.v)))
             q, k = pos.rotate(q, k, q_pos, q_pos)
             if cache is not None:
                 k, v = cache.append(k, v)
         elif cache is not None and cache.k is not None and cache.v is not None:
+            q = self._split(self.q(x))
             k, v = cache.k, cache.v
             q, _ = pos.rotate(q, k[:, :, :0], q_pos, k_pos[:0])
         else:
+            q = self._split(self.q(x))
             k, v = self._split(self.k(memory)), self._split(self.v(memory))
             q, k = pos.rotate(q, k, q_pos, k_pos)
             if cache is not None:
