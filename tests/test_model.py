@@ -259,3 +259,17 @@ def test_packed_incremental_decoding_equals_the_plain_full_pass(kind: str) -> No
             kernels._ONEDNN
         )
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+def test_fused_linears_equal_one_at_a_time_with_and_without_biases() -> None:
+    from tpe_train.model import kernels
+
+    torch.manual_seed(0)
+    x = torch.randn(4, 3, 16)
+    for biases in ((True, True), (False, False), (True, False)):
+        layers = [kernels.Linear(16, 8, bias=biases[0]), kernels.Linear(16, 12, bias=biases[1])]
+        with kernels.packed_inference():
+            fused = kernels.linears(x, layers)
+        with torch.no_grad():
+            for got, layer in zip(fused, layers, strict=True):
+                torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias))

@@ -81,7 +81,9 @@ def linears(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
         weight = torch.cat([layer.weight.detach() for layer in plain])
         biases = [layer.bias for layer in plain]
         present = [b.detach() for b in biases if b is not None]
-        bias = torch.cat(present) if len(present) == len(biases) else None
+        if len(present) not in (0, len(biases)):  # some with a bias, some without: one at a time
+            return [layer(x) for layer in layers]
+        bias = torch.cat(present) if present else None
         entry = (plain, weight, bias)
         _SCOPE.fused[key] = entry
     out = linear(x, entry[1], entry[2])
