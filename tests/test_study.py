@@ -274,7 +274,9 @@ def test_interrupting_parallel_runs_stops_them_and_starts_no_more(tmp_path: Path
     cmd = [sys.executable, "-m", "tpe_train.study.cli", "run", "--preset", "demo", "--seeds", "1",
            "--jobs", "2", "--encodings", "sinusoidal,learned,rope", "--out", str(out), *long,
            "train.max_steps=100000", "train.save_every=100000"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # A harness started in the background may ignore SIGINT, and Python then installs no Ctrl-C handler
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     runs = [out / "runs" / "s1" / kind for kind in ("sinusoidal", "learned")]
     deadline = time.monotonic() + 300
     while not all((run / "config.yaml").is_file() for run in runs):  # both are training
