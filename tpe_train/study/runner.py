@@ -92,7 +92,7 @@ def run_local(
     preempted: list[str] = []
 
     def one(label: str, setting: Setting, seed: int) -> None:
-        if preempted:
+        if preempted or runs.stopped:
             return
         outcome = _train_and_evaluate(study, setting, seed, extra, env, runs, echo and jobs == 1, label, tell)
         if outcome == "preempted":
@@ -100,21 +100,14 @@ def run_local(
         elif outcome != "ok":
             failed.append(f"{setting.name} seed {seed}")
 
-    with runs.forwarding_signals():
-        if jobs == 1:
-            for item in pending:
-                one(*item)
-        else:
-            pool = ThreadPoolExecutor(max_workers=jobs)
-            try:
-                for future in [pool.submit(one, *item) for item in pending]:
-                    future.result()
-            except BaseException:  # Ctrl-C: no new runs; the running ones save and stop
-                preempted.append("interrupted")
-                runs.terminate()
-                raise
-            finally:
-                pool.shutdown(wait=True, cancel_futures=True)
+    with runs.forwarding_signals(), ThreadPoolExecutor(max_workers=jobs) as pool:
+        try:
+            for future in [pool.submit(one, *item) for item in pending]:
+                future.result()
+        except BaseException:  # Ctrl-C: no new runs; the running ones save and stop
+            runs.terminate()
+            pool.shutdown(wait=True, cancel_futures=True)
+            raise
     if preempted:
         raise Preempted(
             f"{', '.join(preempted)} was preempted (checkpoint saved); run the same tpe-study command again "
@@ -187,9 +180,6 @@ class _Processes:
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
         try:
             yield
-        except KeyboardInterrupt:
-            self.terminate()
-            raise
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
