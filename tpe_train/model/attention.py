@@ -54,7 +54,7 @@ class KVCache:
         return self._view(self._k), self._view(self._v)
 
     def _view(self, buffer: Tensor) -> Tensor:
-        n, batch, _ = buffer[: self.length].shape
+        n, batch = self.length, buffer.shape[1]
         return buffer[:n].view(n, batch, self._heads, -1).permute(1, 2, 0, 3)
 
     def store(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
@@ -72,18 +72,15 @@ class KVCache:
         """Keep batch rows ``index`` of the self-attention keys and values (beam search)."""
         if self._k is None or self._v is None:
             return
-        n = self.length
-        if index.numel() == self._k.shape[1]:  # same batch: into the spare buffers, then swap
+        n, same = self.length, index.numel() == self._k.shape[1]
+        if same:  # same batch: into the spare buffers, then swap
             spare = self._spare or (torch.empty_like(self._k), torch.empty_like(self._v))
         else:  # the batch shrinks (finished sentences leave): new, smaller buffers
             shape = (self._k.shape[0], index.numel(), self._k.shape[2])
             spare = (self._k.new_empty(shape), self._v.new_empty(shape))
         torch.index_select(self._k[:n], 1, index, out=spare[0][:n])
         torch.index_select(self._v[:n], 1, index, out=spare[1][:n])
-        if index.numel() == self._k.shape[1]:
-            self._spare = (self._k, self._v)
-        else:
-            self._spare = None
+        self._spare = (self._k, self._v) if same else None
         self._k, self._v = spare
 
 
