@@ -63,13 +63,10 @@ def gather_state(engine: Engine, with_moments: bool = True) -> tuple[dict[str, T
         started = with_moments and adam_steps(engine) > 0
         state = torch_optimizer(engine.optimizer).state
         for name, p in module.named_parameters():
-            # Without ZeRO (and in fp32) the torch optimizer updates the parameters themselves: no
-            # fragments to read, the parameter and its own state are the full tensors.
-            master = safe_get_full_fp32_param(p)
-            weights[name] = _gather_tp(name, p, (p.detach() if master is None else master).float(), ctx).cpu()
+            master = safe_get_full_fp32_param(p) if _fragments(p) else p.detach()
+            weights[name] = _gather_tp(name, p, master.float(), ctx).cpu()
             for m in MOMENTS if started else ():
-                full = safe_get_full_optimizer_state(p, m)
-                local = (state[p][m] if full is None else full).float()
+                local = (safe_get_full_optimizer_state(p, m) if _fragments(p) else state[p][m]).float()
                 moments[f"{m}/{name}"] = _gather_tp(name, p, local, ctx).cpu()
         return weights, moments
     state = torch_optimizer(engine.optimizer).state
@@ -101,9 +98,7 @@ def load_state(engine: Engine, weights: dict[str, Tensor], moments: dict[str, Te
                 p.data.copy_(_slice_tp(name, p, weights[name], ctx).to(p.dtype))
         state = torch_optimizer(engine.optimizer).state
         for name, p in module.named_parameters():
-            # Without ZeRO (and in fp32) there are no fragments: the torch optimizer updates the
-            # parameter itself, whose weights were set above and whose moments are its own state.
-            fragments = hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
+            fragments = _fragments(p)  # without: weights set above, moments the optimizer's own state
             safe_set_full_fp32_param(p, _slice_tp(name, p, weights[name], ctx).to(_device(p)))
             for m in MOMENTS:
                 if f"{m}/{name}" in moments:
@@ -144,6 +139,13 @@ def _prime(engine: Engine) -> None:
     link = getattr(zero, "_lazy_init_hp_params_optimizer_state", None)
     if link is not None:
         link()
+
+
+def _fragments(p: Tensor) -> bool:
+    """Whether DeepSpeed keeps ``p``'s fp32 master and moments as fragments of a flat partition (ZeRO
+    1-3, bf16 optimizer). Without ZeRO, in fp32, the torch optimizer updates ``p`` itself: its values
+    and its own optimizer state are the full tensors."""
+    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
 
 
 def _device(p: Tensor) -> torch.device:
