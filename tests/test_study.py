@@ -336,5 +336,12 @@ def test_report_regathers_an_existing_study_without_training(
     assert main(["run", "--preset", "demo", "--encodings", "sinusoidal,learned", "--seeds", "1,2",
                  "--out", str(study_dir), "--no-report", "--average", "2", *TINY]) == 0  # fmt: skip
     assert capsys.readouterr().out.count("done already") == 4
+    # a dry run of the study extended by a seed names the finished runs as such, and the new ones' commands
+    assert main(["run", "--preset", "demo", "--encodings", "sinusoidal,learned", "--seeds", "1-3",
+                 "--out", str(study_dir), "--average", "2", "--dry-run", *TINY]) == 0  # fmt: skip
+    lines = capsys.readouterr().out.splitlines()
+    assert sum("done already" in line for line in lines) == 4
+    assert sum("-m tpe_train.train" in line for line in lines) == 2
+    assert all("train.seed=3" in line for line in lines if "-m tpe_train.train" in line)
     assert main(["report", str(study_dir / "runs")]) == 2
     assert "is not a study directory" in capsys.readouterr().err

@@ -77,12 +77,12 @@ def run_local(
     pending: list[tuple[str, Setting, int]] = []
     for number, (setting, seed) in enumerate(grid, 1):
         label = f"[{number}/{len(grid)}] {setting.name} seed {seed}"
-        if dry_run:
+        if study.eval_path(setting, seed).is_file():
+            say(f"{label}: done already ({study.eval_path(setting, seed)})")
+        elif dry_run:
             say(f"{label}: {shlex.join(study.train_command(setting, seed, extra))}")
             if study.average:
                 say(f"{label}: then average the last {study.average} checkpoints and evaluate them")
-        elif study.eval_path(setting, seed).is_file():
-            say(f"{label}: done already ({study.eval_path(setting, seed)})")
         else:
             pending.append((label, setting, seed))
     if dry_run or not pending:
