@@ -9,12 +9,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from conftest import tiny_model
+from datasets import Dataset
 
 from tpe_train.config import ConfigError, load_config
-from tpe_train.parallel.context import ParallelContext
+from tpe_train.data.batching import collate
+from tpe_train.parallel.context import ParallelContext, local_device
 from tpe_train.parallel.deepspeed import deepspeed_config, resolve_layout
 from tpe_train.parallel.plan import PARTITION, position_bytes, shard_positions
 from tpe_train.positions import PositionEncoding
@@ -32,6 +35,40 @@ def launch_env(
     path.write_text(json.dumps(template))
     monkeypatch.setenv("ACCELERATE_USE_DEEPSPEED", "true")
     monkeypatch.setenv("ACCELERATE_DEEPSPEED_CONFIG_FILE", str(path))
+
+
+@pytest.mark.parametrize(
+    ("env", "gpus", "local_rank", "expected"),
+    [
+        ({}, 0, 0, "cpu"),  # torch sees no GPU
+        ({}, 2, 1, "cuda:1"),  # one GPU per local rank
+        ({}, 2, 3, "cuda:1"),  # more local ranks than GPUs share them round-robin
+        ({"ACCELERATE_USE_CPU": "True"}, 2, 0, "cpu"),  # a CPU launch file on a GPU machine
+        ({"DS_ACCELERATOR": "cpu"}, 2, 0, "cpu"),
+    ],
+)
+def test_each_rank_takes_its_gpu_unless_the_launch_asks_for_the_cpu(
+    monkeypatch: pytest.MonkeyPatch, env: dict[str, str], gpus: int, local_rank: int, expected: str
+) -> None:
+    # This machine has no GPU: torch's answers are set, the choice is ours.
+    for name in ("ACCELERATE_USE_CPU", "DS_ACCELERATOR"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpus > 0)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    assert str(local_device(local_rank)) == expected
+
+
+def test_one_process_context_is_on_the_cpu_here_and_batches_follow_it() -> None:
+    ctx = ParallelContext.from_env()
+    assert ctx.device == torch.device("cpu") and "on cpu" in ctx.describe()
+    rows = {"id": [0, 1], "src_ids": [[5, 6, 7], [5]], "tgt_ids": [[8, 9, 2], [8, 9, 10, 2]]}
+    batch = collate(Dataset.from_dict(rows), np.arange(2))
+    assert batch.to(ctx.device) is batch  # already there: no copy
+    meta = batch.to(torch.device("meta"))  # another device: every tensor moves, the ids stay
+    assert {t.device.type for t in (meta.src, meta.tgt_in, meta.tgt_out)} == {"meta"}
+    assert meta.src.shape == batch.src.shape and meta.ids is batch.ids
 
 
 def test_context_grid() -> None:

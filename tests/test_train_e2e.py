@@ -109,6 +109,20 @@ def test_tpe_eval_rejects_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -
     assert "is not a tpe-train checkpoint" in proc.stderr and "Traceback" not in proc.stderr
 
 
+@pytest.mark.parametrize("device", ["cuda:99", "potato"])
+def test_tpe_eval_refuses_a_device_it_cannot_use(run_dir: Path, device: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "tpe_train.evaluate", "--checkpoint", str(run_dir / "checkpoint"),
+         "--device", device],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert f"--device {device}" in proc.stderr and "use auto, cpu" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
 def test_validation_leaves_out_pairs_longer_than_a_learned_table(tmp_path: Path) -> None:
     """data.max_len bounds training pairs and the learned table; the validation set is not filtered
     when it is built, so validation must leave its longer pairs out instead of indexing past the table."""

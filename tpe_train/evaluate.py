@@ -329,6 +329,7 @@ def format_table(metrics: dict[str, Any]) -> str:
 def main(argv: list[str] | None = None) -> int:
     """``tpe-eval``: score a checkpoint on its corpus's test, extrapolation and probe sets."""
     from tpe_train.checkpoint import load_export
+    from tpe_train.parallel.context import local_device
 
     parser = argparse.ArgumentParser(prog="tpe-eval", description=__doc__)
     parser.add_argument(
@@ -338,7 +339,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     parser.add_argument("--beam", type=int, default=None, help="override eval.beam (1: greedy)")
+    parser.add_argument(
+        "--device", default="auto", help="auto (the GPU if torch sees one, else the CPU), cpu, cuda or cuda:N"
+    )
     args = parser.parse_args(argv)
+    try:
+        device = local_device() if args.device == "auto" else torch.device(args.device)
+        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+            raise RuntimeError(f"torch sees {torch.cuda.device_count()} GPU(s) here")
+    except RuntimeError as err:
+        print(f"tpe-eval: --device {args.device}: {err}; use auto, cpu, cuda or cuda:N", file=sys.stderr)
+        return 2
     try:
         model, cfg, tok = load_export(args.checkpoint)
     except (FileNotFoundError, ValueError, ConfigError) as err:
@@ -351,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.eval.beam = args.beam
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    metrics = evaluate(model, tok, test_splits(cfg.data), cfg.eval, lang=cfg.data.tgt_lang)
+    metrics = evaluate(model.to(device), tok, test_splits(cfg.data), cfg.eval, lang=cfg.data.tgt_lang)
     print(json.dumps(metrics) if args.json else format_table(metrics))
     return 0
 

@@ -43,13 +43,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def autocast(enabled: bool) -> contextlib.AbstractContextManager[Any]:
-    return torch.autocast("cpu", dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+def autocast(enabled: bool, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
 
 def batch_loss(model: Any, batch: Batch, cfg: Config, cast: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(summed smoothed loss, summed nll, target tokens) of one batch; ``cast``: bf16 autocast."""
-    with autocast(cast):
+    """(summed smoothed loss, summed nll, target tokens) of one batch, on the batch's device;
+    ``cast``: bf16 autocast."""
+    with autocast(cast, batch.src.device):
         logits = model(batch.src, batch.tgt_in)
     loss, nll, ntok = label_smoothed_loss(logits, batch.tgt_out, PAD_ID, cfg.train.label_smoothing)
     return loss, nll, int(ntok)
@@ -69,7 +70,7 @@ def train_step(
     scale = cfg.train.accumulate * ctx.dp_size / ntok
     loss_sum, nll_sum = 0.0, 0.0
     for batch in micro:
-        loss, nll, _ = batch_loss(engine.forward, batch, cfg, cast)
+        loss, nll, _ = batch_loss(engine.forward, batch.to(ctx.device), cfg, cast)
         engine.backward(loss * scale)
         loss_sum, nll_sum = loss_sum + float(loss.detach()), nll_sum + float(nll)
     grad_norm = engine.step()
@@ -90,7 +91,7 @@ def validate(engine: Engine, data: Any, cfg: Config, ctx: ParallelContext, cast:
         batches = BatchIterator(src_len[kept], tgt_len[kept], cfg.data.max_tokens, seed=0).batches
         nll_sum, ntok_sum = 0.0, 0.0
         for idx in batches[ctx.dp_rank :: ctx.dp_size]:
-            _, nll, ntok = batch_loss(model, collate(data.valid, kept[idx]), cfg, cast)
+            _, nll, ntok = batch_loss(model, collate(data.valid, kept[idx]).to(ctx.device), cfg, cast)
             nll_sum, ntok_sum = nll_sum + float(nll), ntok_sum + ntok
         nll_sum, ntok_sum = ctx.dp_sum([nll_sum, ntok_sum])
         out = {"valid/nll": nll_sum / ntok_sum, "valid/ppl": math.exp(min(nll_sum / ntok_sum, 50.0))}

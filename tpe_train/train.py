@@ -70,7 +70,7 @@ def build_engine(cfg: Config, data: Prepared, ctx: ParallelContext, layout: Layo
     """Model (same initial weights on every rank), position shards, optimizer, schedule, engine."""
     model = build_model(cfg, data.tokenizer)
     shard_positions(model, ctx)
-    model.train()
+    model.to(ctx.device).train()
     if ctx.dp_size > 1:
         torch.manual_seed(cfg.train.seed + 7919 * ctx.dp_rank)  # dropout: one stream per data-parallel rank
     ds_config = deepspeed_config(cfg, layout) if layout.deepspeed is not None else None
@@ -212,6 +212,7 @@ def run(cfg: Config) -> dict[str, Any]:
         checkpoint = save_export(run_dir / "checkpoint", final, cfg, data.tokenizer, progress.step)
         metrics["checkpoint"] = str(checkpoint)
         if cfg.eval.at_end:
+            final.to(ctx.device)  # decoding on the rank's GPU where it has one
             metrics.update(evaluate(final, data.tokenizer, data.splits, cfg.eval, lang=cfg.data.tgt_lang))
             for name in ("bleu", "chrf", "exact_match", "probe_accuracy"):
                 if metrics[name] is not None:
@@ -267,8 +268,17 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tpe-train: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Preempted:
+        _leave_process_group()
         return EXIT_PREEMPTED
+    _leave_process_group()
     return 0
+
+
+def _leave_process_group() -> None:
+    """After a run every rank finished (or saved on a signal they all saw): NCCL warns of leaked
+    resources otherwise. Not after an error, when another rank may still wait in a collective."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -116,6 +116,13 @@ class Batch:
     def target_tokens(self) -> int:
         return int((self.tgt_out != PAD_ID).sum())
 
+    def to(self, device: torch.device) -> Batch:
+        """The same batch on ``device`` (itself when it is there already)."""
+        if self.src.device == device:
+            return self
+        move = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+        return Batch(self.ids, move(self.src), move(self.tgt_in), move(self.tgt_out))
+
 
 def pad(seqs: list[list[int]], prefix: int | None = None) -> torch.Tensor:
     """Right-pad id lists into a (B, L) long tensor, optionally prefixing a token."""

@@ -17,6 +17,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+CPU = torch.device("cpu")
+
 
 @dataclass(frozen=True)
 class ParallelContext:
@@ -28,6 +30,7 @@ class ParallelContext:
     tp_size: int = 1
     tp_group: Any = None  # torch ProcessGroup of this rank's tensor-parallel group (None: tp_size 1)
     dp_group: Any = None  # torch ProcessGroup of this rank's data-parallel group (None: whole world)
+    device: torch.device = CPU  # where this rank's model, batches and collectives live
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.world_size % self.tp_size:
@@ -66,7 +69,7 @@ class ParallelContext:
         """Sum over the data-parallel ranks (tensor-parallel ranks hold the same numbers)."""
         if not self.distributed:
             return values
-        t = torch.tensor(values, dtype=torch.float64)
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)  # nccl reduces GPU tensors only
         dist.all_reduce(t, group=self.dp_group)
         return [float(v) for v in t.tolist()]
 
@@ -74,7 +77,7 @@ class ParallelContext:
         """True on every rank if ``flag`` is true on any rank."""
         if not self.distributed:
             return flag
-        t = torch.tensor([int(flag)])
+        t = torch.tensor([int(flag)], device=self.device)
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         return bool(t.item())
 
@@ -93,7 +96,7 @@ class ParallelContext:
     def describe(self) -> str:
         return (
             f"world {self.world_size} = data-parallel {self.dp_size} x tensor-parallel {self.tp_size}; "
-            f"rank {self.rank} (dp {self.dp_rank}, tp {self.tp_rank})"
+            f"rank {self.rank} (dp {self.dp_rank}, tp {self.tp_rank}) on {self.device}"
         )
 
     @classmethod
@@ -108,7 +111,10 @@ class ParallelContext:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         rank = int(os.environ.get("RANK", "0"))
         local = int(os.environ.get("LOCAL_RANK", "0"))
-        probe = cls(world_size=world, rank=rank, local_rank=local, tp_size=tp_size)  # validates sizes
+        device = local_device(local)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # before any collective: nccl binds a rank to its current GPU
+        probe = cls(world, rank, local, tp_size, device=device)  # validates sizes
         if world == 1 and not deepspeed:
             return probe
         if deepspeed:
@@ -131,11 +137,23 @@ class ParallelContext:
         groups._init_tp_mesh_device(tensor_model_parallel_size=tp_size)  # idempotent; the engine reuses it
         tp_group = groups.get_tensor_model_parallel_group()
         dp_group = groups._DATA_PARALLEL_GROUP  # the mesh's; _get_data_parallel_group() may be the world
-        ctx = cls(world, rank, local, tp_size, tp_group, dp_group)
+        ctx = cls(world, rank, local, tp_size, tp_group, dp_group, device)
         sizes = (dist.get_world_size(tp_group), dist.get_world_size(dp_group))
         assert sizes == (tp_size, ctx.dp_size), f"DeepSpeed's tp/dp groups have sizes {sizes}"
         return ctx
 
 
+def local_device(local_rank: int = 0) -> torch.device:
+    """The GPU of local rank ``local_rank`` where the launch uses GPUs, else the CPU. A launch asks for
+    the CPU explicitly with accelerate's ``use_cpu`` (``ACCELERATE_USE_CPU``) or ``DS_ACCELERATOR=cpu``,
+    as the CPU launch files do; the CPU is also taken when torch sees no GPU."""
+    wants_cpu = os.environ.get("ACCELERATE_USE_CPU", "").lower() in ("1", "true", "yes") or (
+        os.environ.get("DS_ACCELERATOR") == "cpu"
+    )
+    if wants_cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    return torch.device("cuda", local_rank % torch.cuda.device_count())
+
+
 def _backend() -> str:
-    return "nccl" if torch.cuda.is_available() else "gloo"
+    return "nccl" if local_device().type == "cuda" else "gloo"

@@ -112,14 +112,17 @@ def load_state(engine: Engine, weights: dict[str, Tensor], moments: dict[str, Te
             # The optimizer's first step may rebuild its state tensors: link the fragments again then.
             zero._hp_optimizer_states_linked = False
     else:
-        state = torch_optimizer(engine.optimizer).state
+        basic = torch_optimizer(engine.optimizer)
+        # torch's own rule (Optimizer.load_state_dict): fused and capturable Adam keep the step count
+        # on the parameters' device, plain Adam on the CPU.
+        on_device = any(g.get("fused") or g.get("capturable") for g in basic.param_groups)
         with torch.no_grad():
             for name, p in module.named_parameters():
                 p.copy_(weights[name].to(p.dtype))
                 if f"exp_avg/{name}" in moments:
-                    state[p] = {
-                        "step": torch.tensor(float(steps)),
-                        **{m: moments[f"{m}/{name}"].to(p.dtype).clone() for m in MOMENTS},
+                    basic.state[p] = {
+                        "step": torch.tensor(float(steps), device=p.device if on_device else "cpu"),
+                        **{m: moments[f"{m}/{name}"].to(p.device, p.dtype, copy=True) for m in MOMENTS},
                     }
     _set_steps(engine, steps)
 
