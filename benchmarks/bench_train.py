@@ -5,6 +5,7 @@ Run from the repository root (CPU; the numbers are only comparable *within one r
     python benchmarks/bench_train.py                     # everything: ~10 min on 2 idle cores
     python benchmarks/bench_train.py --steps 2 --warmup 1 --only none,rope --no-decode
     python benchmarks/bench_train.py --json bench.json   # also write every number
+    python benchmarks/bench_train.py --device cuda       # on a GPU (timings synchronise the device)
 
 Shape (one issue's): d_model 256, 4 heads, FFN 1024, 3 + 3 layers, one shared vocabulary of 8,000
 with tied embeddings, dropout 0.1 (attention and activation dropout 0), batches of 128 sentences
@@ -104,6 +105,14 @@ MIN_LEN, MAX_LEN = 24, 36  # content tokens per sentence (the target adds EOS)
 DECODE_BATCH, DECODE_NEW = 64, 30  # decoding: sentences per batch; N (decoder steps = N + 1)
 EPSILON, LR, SEED = 0.1, 1e-4, 1234
 HF_MATCH = {"sinusoidal": "hf-marian", "learned": "hf-bart", "t5": "hf-t5"}
+DEVICE = torch.device("cpu")  # --device; every model, batch and matmul operand lives there
+
+
+def sync() -> None:
+    """Wait for the device's queued work, so that a wall-clock interval covers it (GPU kernels are
+    asynchronous; on the CPU this does nothing)."""
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize(DEVICE)
 
 
 # --------------------------------------------------------------------------------------- data
@@ -145,12 +154,12 @@ def make_batches(seed: int) -> list[Batch]:
         tgt_in = _padded([torch.cat((bos, t)) for t in tgt], MAX_LEN + 1)
         tgt_out = _padded([torch.cat((t, eos)) for t in tgt], MAX_LEN + 1)
         ntok = int((tgt_out != PAD).sum())
-        batches.append(Batch(_padded(src, MAX_LEN), tgt_in, tgt_out, ntok))
+        batches.append(Batch(_padded(src, MAX_LEN).to(DEVICE), tgt_in.to(DEVICE), tgt_out.to(DEVICE), ntok))
     return batches
 
 
 def make_decode_sources(seed: int) -> Tensor:
-    return _padded(_sentences(torch.Generator().manual_seed(seed + 1), DECODE_BATCH), MAX_LEN)
+    return _padded(_sentences(torch.Generator().manual_seed(seed + 1), DECODE_BATCH), MAX_LEN).to(DEVICE)
 
 
 # -------------------------------------------------------------------------------------- FLOPs
@@ -189,8 +198,8 @@ class PeakSampler:
         self.times: list[float] = []
         self.operands = {
             (dt, (m, k, n)): (
-                torch.randn(m, k, generator=gen).to(PEAK_DTYPES[dt]),
-                torch.randn(k, n, generator=gen).to(PEAK_DTYPES[dt]),
+                torch.randn(m, k, generator=gen).to(DEVICE, PEAK_DTYPES[dt]),
+                torch.randn(k, n, generator=gen).to(DEVICE, PEAK_DTYPES[dt]),
             )
             for dt in PEAK_DTYPES
             for m, k, n in PEAK_SHAPES
@@ -202,8 +211,10 @@ class PeakSampler:
     def step(self) -> None:
         for (dt, (m, k, n)), (a, b) in self.operands.items():
             for _ in range(self.reps):
+                sync()
                 t0 = time.perf_counter()
                 torch.matmul(a, b)
+                sync()
                 self.samples[(dt, (m, k, n))].append(2 * m * k * n / (time.perf_counter() - t0) / 1e9)
 
     def result(self) -> dict[str, Any]:
@@ -324,7 +335,7 @@ class TrainRow:
     _step: int = 0
 
     def __post_init__(self) -> None:
-        self.model.train()
+        self.model.to(DEVICE).train()
         self.opt = torch.optim.Adam(self.model.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-8)
         self.hf = self.name.startswith("hf-")
 
@@ -343,7 +354,9 @@ class TrainRow:
         self._step += 1
         self.opt.zero_grad(set_to_none=True)
         ctx = (
-            torch.autocast("cpu", dtype=torch.bfloat16) if self.dtype == "bf16" else contextlib.nullcontext()
+            torch.autocast(DEVICE.type, dtype=torch.bfloat16)
+            if self.dtype == "bf16"
+            else contextlib.nullcontext()
         )
         with ctx:
             logits = self.logits(b)
@@ -380,7 +393,7 @@ class DecodeRow:
     lengths: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.model.eval()
+        self.model.to(DEVICE).eval()
         self.hf = self.name.startswith("hf-")
         if self.hf:
             from transformers import GenerationConfig
@@ -441,8 +454,10 @@ def run_interleaved(rows: list[Any], warmup: int, steps: int, label: str) -> Non
         t_round = time.perf_counter()
         shift = r % len(rows)
         for row in rows[shift:] + rows[:shift]:
+            sync()
             t0 = time.perf_counter()
             row.step()
+            sync()
             row.times.append(time.perf_counter() - t0)
         print(
             f"  [{label}] round {r + 1}/{steps} in {time.perf_counter() - t_round:6.1f} s",
@@ -548,6 +563,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--decode-rounds", type=int, default=3, help="timed beam-search batches a row (default 3)")
     p.add_argument("--no-bf16", action="store_true", help="training in fp32 only")
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument(
+        "--device", default="cpu", help="cpu (default) or cuda[:N]: where every model, batch and matmul runs"
+    )
     p.add_argument("--json", type=Path, help="write every number to this file")
     args = p.parse_args(argv)
     unknown = [k for k in args.only if k not in kinds]
@@ -585,6 +603,8 @@ def run_training(
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    global DEVICE
+    DEVICE = torch.device(args.device)
     torch.set_num_threads(args.threads)
     started = time.perf_counter()
     kinds = [k for k in POSITIONS.names() if k in args.only]
@@ -598,6 +618,7 @@ def main(argv: list[str] | None = None) -> None:
         "cpus": os.cpu_count(),
         "loadavg_at_start": load,
         "python": platform.python_version(),
+        "device": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
     }
     if hf_names:
         import transformers
