@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import torch
 from safetensors.torch import load_file
 
 from tpe_train.ckpt_store import entries, sha256
@@ -169,6 +170,32 @@ def test_a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path: P
 
 def tpe_ckpt(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tpe_train.ckpt_cli", *args], capture_output=True, text=True)
+
+
+def test_the_final_model_is_the_mean_of_the_last_checkpoints_when_asked(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    proc = train(run, "train.max_steps=6", "train.save_every=2", "train.keep_last=3", "eval.average_last=3",
+                 "eval.at_end=true")  # fmt: skip
+    assert "final model = mean of step-00000002, step-00000004, step-00000006" in proc.stdout
+    got = weights(run / "averaged-last3")
+    parts = [weights(run / f"checkpoints/step-0000000{s}") for s in (2, 4, 6)]
+    for k in got:
+        mean = sum(p[k].double() for p in parts) / 3
+        assert (got[k] - mean).abs().max() < 1e-7, k
+    assert not torch.equal(
+        got["encoder.layers.0.ffn.fc_in.weight"], parts[-1]["encoder.layers.0.ffn.fc_in.weight"]
+    )
+    figures = json.loads((run / "eval.json").read_text())  # the averaged model's figures
+    assert figures["averaged"]["checkpoints"] == ["step-00000002", "step-00000004", "step-00000006"]
+    scored = subprocess.run(
+        [sys.executable, "-m", "tpe_train.evaluate", "--checkpoint", str(run / "averaged-last3"), "--json"],
+        capture_output=True,
+        text=True,
+    )
+    assert scored.returncode == 0 and json.loads(scored.stdout)["bleu"] == figures["bleu"]
+    # the last step's own weights are still exported, as without averaging
+    last = weights(run / "checkpoint")
+    assert all(torch.equal(last[k], parts[-1][k]) for k in last)
 
 
 def test_tpe_ckpt_list_average_and_export(tmp_path: Path) -> None:

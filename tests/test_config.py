@@ -58,6 +58,11 @@ ERRORS = [
     (["model.position.kind=rope", "model.d_model=12", "model.n_heads=4"], "rope needs an even head"),
     (["data.synthetic.max_words=60", "data.synthetic.long_max_words=50"], "max_words < long_max_words"),
     (["train.max_steps"], "overrides are KEY=VALUE"),
+    (
+        ["eval.average_last=3", "train.save_every=0"],
+        "train.save_every=0 saves only at the end; set train.save_every",
+    ),
+    (["eval.average_last=6", "train.keep_last=5"], "raise train.keep_last to at least 6"),
 ]
 
 

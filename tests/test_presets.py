@@ -58,8 +58,8 @@ def test_wmt14_en_de_base_is_the_papers_base_model() -> None:
     # about 25,000 source + 25,000 target tokens per step (max_tokens counts both sides)
     assert 0.9 * 50_000 <= _tokens_per_step("wmt14_en_de_base") <= 1.1 * 50_000
     assert (e.beam, e.alpha, e.max_len_a, e.max_len_b) == (4, 0.6, 1.0, 50)
-    # the last 5 checkpoints exist to average (tpe-ckpt average RUN --last 5)
-    assert t.keep_last >= 5 and t.save_every > 0 and 5 * t.save_every <= t.max_steps
+    # the final model is the mean of the last 5 checkpoints, which are kept
+    assert e.average_last == 5 and t.keep_last >= 5 and t.save_every > 0 and 5 * t.save_every <= t.max_steps
 
 
 def test_wmt14_big_presets_are_the_papers_big_models() -> None:
@@ -71,7 +71,7 @@ def test_wmt14_big_presets_are_the_papers_big_models() -> None:
         assert t.max_steps == 300_000 and t.warmup_steps == 4000 and t.label_smoothing == 0.1
         assert t.adam_betas == (0.9, 0.98)
         assert t.lr == pytest.approx(1024**-0.5 * 4000**-0.5, rel=1e-3)
-        assert t.keep_last >= 20 and 20 * t.save_every <= t.max_steps
+        assert cfg.eval.average_last == 20 and t.keep_last >= 20 and 20 * t.save_every <= t.max_steps
         assert (cfg.eval.beam, cfg.eval.alpha) == (4, 0.6)
         assert 0.9 * 50_000 <= _tokens_per_step(cfg.preset) <= 1.1 * 50_000
     assert de.model.dropout == 0.3 and de.data.vocab_size == 37000 and de.data.tgt_lang == "de"

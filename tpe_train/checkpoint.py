@@ -16,7 +16,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from tpe_train.ckpt_store import sha256
+from tpe_train.ckpt_store import MODEL, TRAINER, CheckpointError, sha256, verify
 from tpe_train.config import Config, ConfigError, validate
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.data.tokenizer import load_tokenizer, vocab_hash
@@ -99,6 +99,27 @@ def load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
         )
     model.eval()
     return model, cfg, tok
+
+
+def export_mean(sources: list[Path], out: Path) -> Path:
+    """The mean of training checkpoints' fp32 weights (accumulated in fp64) as an export at ``out``,
+    stamped with the last source's step; one source: that checkpoint. Every file read is verified
+    against its checkpoint's manifest first."""
+    first = sources[0]
+    cfg = validate(yaml.safe_load((first / CONFIG).read_text()))
+    tok = load_tokenizer(first / TOKENIZER)
+    total: dict[str, torch.Tensor] = {}
+    for path in sources:
+        verify(path, [MODEL, CONFIG, TOKENIZER])
+        weights = load_file(str(path / MODEL))
+        if total and weights.keys() != total.keys():
+            raise CheckpointError(f"{path} holds another model than {first}; average checkpoints of one run")
+        for name, value in weights.items():
+            total[name] = total[name] + value.double() if name in total else value.double()
+    model = build_model(cfg, tok)
+    model.load_state_dict({k: (v / len(sources)).float() for k, v in total.items()})
+    step = int(json.loads((sources[-1] / TRAINER).read_text())["step"])
+    return save_export(out, model, cfg, tok, step)
 
 
 def parameter_count(model: torch.nn.Module) -> int:

@@ -22,14 +22,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import torch
-import yaml
-from safetensors.torch import load_file
-
-from tpe_train.checkpoint import build_model, save_export
-from tpe_train.ckpt_store import MODEL, TRAINER, CheckpointError, Entry, entries, latest_complete, verify
-from tpe_train.config import ConfigError, validate
-from tpe_train.data.tokenizer import load_tokenizer
+from tpe_train.checkpoint import export_mean
+from tpe_train.ckpt_store import TRAINER, CheckpointError, Entry, entries, latest_complete
+from tpe_train.config import ConfigError
 
 
 def _complete(run_dir: Path) -> list[Entry]:
@@ -57,25 +52,6 @@ def _checkpoint(path: Path) -> Path:
     return latest.path
 
 
-def _export(sources: list[Path], out: Path) -> Path:
-    """The mean of the sources' weights as an export (one source: that checkpoint)."""
-    first = sources[0]
-    cfg = validate(yaml.safe_load((first / "config.yaml").read_text()))
-    tok = load_tokenizer(first / "tokenizer.json")
-    total: dict[str, torch.Tensor] = {}
-    for path in sources:
-        verify(path, [MODEL, "config.yaml", "tokenizer.json"])
-        weights = load_file(str(path / MODEL))
-        if total and weights.keys() != total.keys():
-            raise CheckpointError(f"{path} holds another model than {first}; average checkpoints of one run")
-        for name, value in weights.items():
-            total[name] = total[name] + value.double() if name in total else value.double()
-    model = build_model(cfg, tok)
-    model.load_state_dict({k: (v / len(sources)).float() for k, v in total.items()})
-    step = int(json.loads((sources[-1] / TRAINER).read_text())["step"])
-    return save_export(out, model, cfg, tok, step)
-
-
 def cmd_list(args: argparse.Namespace) -> None:
     root = Path(args.run_dir) / "checkpoints"
     found = entries(root)
@@ -97,13 +73,13 @@ def cmd_average(args: argparse.Namespace) -> None:
     chosen = _complete(Path(args.run_dir))[-args.last :]
     if len(chosen) < args.last:
         print(f"tpe-ckpt: only {len(chosen)} complete checkpoints; averaging those", file=sys.stderr)
-    out = _export([e.path for e in chosen], Path(args.out))
+    out = export_mean([e.path for e in chosen], Path(args.out))
     print(f"averaged {', '.join(e.path.name for e in chosen)} -> {out}")
 
 
 def cmd_export(args: argparse.Namespace) -> None:
     path = _checkpoint(Path(args.checkpoint))
-    print(f"exported {path} -> {_export([path], Path(args.out))}")
+    print(f"exported {path} -> {export_mean([path], Path(args.out))}")
 
 
 def cmd_reshard(args: argparse.Namespace) -> None:

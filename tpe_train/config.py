@@ -347,6 +347,9 @@ class EvalConfig(Section):
     """Upper edges (source words) of the length buckets BLEU is reported for; a last open bucket follows."""
     at_end: bool = True
     """Evaluate the final model on the test sets when training ends."""
+    average_last: int = Field(1, ge=1)
+    """The final model is the mean of the last N complete checkpoints (1: the last step's weights).
+    The papers average 5 (base) or 20 (big); exported to <run_dir>/averaged-lastN and evaluated."""
 
 
 class Config(Section):
@@ -373,6 +376,17 @@ class Config(Section):
                 f"model.position.max_positions ({p.max_positions}) is shorter than the longest "
                 f"training sequence (data.max_len={self.data.max_len} tokens + EOS/BOS); raise "
                 "max_positions or lower data.max_len"
+            )
+        n = self.eval.average_last
+        if n > 1 and self.train.save_every == 0:
+            raise ValueError(
+                f"eval.average_last={n} averages the last {n} checkpoints, but train.save_every=0 saves "
+                "only at the end; set train.save_every (steps between checkpoints) or eval.average_last=1"
+            )
+        if n > self.train.keep_last:
+            raise ValueError(
+                f"eval.average_last={n} needs the last {n} checkpoints, but train.keep_last="
+                f"{self.train.keep_last} deletes older ones; raise train.keep_last to at least {n}"
             )
         return self
 
