@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -255,12 +256,18 @@ def test_study_trains_every_cell_and_averages_its_last_checkpoints(study_dir: Pa
 
 
 def test_parallel_runs_overlap_and_share_the_cores(study_dir: Path) -> None:
-    """--jobs 2: the first two runs train at the same time, each with half of the cores."""
+    """--jobs 2: the first two runs train at the same time, each with half of the cores. Their
+    processes' lifetimes, as the study logged them (start before the process, exit after it), overlap;
+    the files the runs write are no proof: on a loaded machine a tiny run may finish its training before
+    the other has imported torch."""
     first, second = (study_dir / "runs" / "s1" / kind for kind in ("sinusoidal", "learned"))
-    spans = [
-        ((run / "config.yaml").stat().st_mtime, (run / "eval.json").stat().st_mtime)
-        for run in (first, second)
-    ]
+    spans = []
+    for run in (first, second):
+        text = (run / "study.log").read_text()
+        started = re.findall(r"^# started .* \(unix ([0-9.]+)\)$", text, re.M)
+        ended = re.findall(r"^# exit 0 at .* \(unix ([0-9.]+)\)$", text, re.M)
+        assert len(started) == len(ended) == 1, text[-2000:]
+        spans.append((float(started[0]), float(ended[0])))
     assert spans[0][0] < spans[1][1] and spans[1][0] < spans[0][1], spans
     threads = max(1, len(os.sched_getaffinity(0)) // 2)
     assert f"train.threads={threads}" in (first / "study.log").read_text()

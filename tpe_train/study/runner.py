@@ -192,9 +192,10 @@ class _Processes:
                 proc.terminate()
 
     def run_logged(self, cmd: list[str], env: dict[str, str], log: Path, echo: bool) -> int:
-        """Run ``cmd`` with its output appended to ``log`` (and shown on the terminal with ``echo``)."""
+        """Run ``cmd`` with its output appended to ``log`` (and shown on the terminal with ``echo``),
+        between a line saying when it started and one saying how it ended."""
         with open(log, "a") as out:
-            out.write(f"\n$ {shlex.join(cmd)}\n")
+            out.write(f"\n# started {_stamp()}\n$ {shlex.join(cmd)}\n")
             out.flush()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
             assert proc.stdout is not None
@@ -207,13 +208,21 @@ class _Processes:
                     out.write(line)
                     if echo:
                         sys.stdout.write(line)
-                return proc.wait()
+                code = proc.wait()
+                out.write(f"# exit {code} at {_stamp()}\n")
+                return code
             finally:
                 with self.lock:
                     self.live.discard(proc)
                 if proc.poll() is None:  # interrupted: let the trainer save and exit
                     proc.terminate()
                     proc.wait()
+
+
+def _stamp() -> str:
+    """Local time, and Unix time for scripts: ``2026-11-30 18:30:01 (unix 1796063401.123)``."""
+    now = time.time()
+    return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))} (unix {now:.3f})"
 
 
 def average_and_evaluate(study: Study, setting: Setting, seed: int) -> Path:
