@@ -10,13 +10,14 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer
 
-from tpe_train.ckpt_store import MODEL, TRAINER, CheckpointError, sha256, verify
+from tpe_train.ckpt_store import MODEL, TRAINER, CheckpointError, entries, sha256, verify
 from tpe_train.config import Config, ConfigError, validate
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.data.tokenizer import load_tokenizer, vocab_hash
@@ -120,6 +121,21 @@ def export_mean(sources: list[Path], out: Path) -> Path:
     model.load_state_dict({k: (v / len(sources)).float() for k, v in total.items()})
     step = int(json.loads((sources[-1] / TRAINER).read_text())["step"])
     return save_export(out, model, cfg, tok, step)
+
+
+def average_last(cfg: Config, run_dir: Path) -> tuple[Transformer, dict[str, Any]]:
+    """The final model of ``eval.average_last`` N > 1: the mean of the run's last N complete
+    checkpoints, exported to ``<run_dir>/averaged-lastN`` (what ``tpe-ckpt average`` writes), read back."""
+    n = cfg.eval.average_last
+    chosen = [e for e in entries(run_dir / "checkpoints") if e.complete][-n:]
+    if len(chosen) < n:
+        print(f"tpe-train: eval.average_last={n}, but the run has {len(chosen)} complete checkpoints; "
+              "averaging those")  # fmt: skip
+    export = export_mean([e.path for e in chosen], run_dir / f"averaged-last{n}")
+    names = [e.path.name for e in chosen]
+    print(f"tpe-train: final model = mean of {', '.join(names)} -> {export}")
+    model, _, _ = load_export(export)
+    return model, {"checkpoints": names, "export": str(export)}
 
 
 def parameter_count(model: torch.nn.Module) -> int:

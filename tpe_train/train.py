@@ -23,14 +23,13 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from tpe_train import snapshot
-from tpe_train.checkpoint import build_model, export_mean, load_export, parameter_count, save_export
-from tpe_train.ckpt_store import CheckpointError, check_compatible, entries, latest_complete
+from tpe_train.checkpoint import average_last, build_model, parameter_count, save_export
+from tpe_train.ckpt_store import CheckpointError, check_compatible, latest_complete
 from tpe_train.config import Config, ConfigError, load_config
 from tpe_train.data.corpus import Prepared, TrainBatches, prepare
 from tpe_train.data.sources import CorpusError
 from tpe_train.evaluate import evaluate, format_table
 from tpe_train.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
-from tpe_train.model.transformer import Transformer
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layout
 from tpe_train.parallel.engine import Engine
@@ -213,7 +212,7 @@ def run(cfg: Config) -> dict[str, Any]:
         checkpoint = save_export(run_dir / "checkpoint", final, cfg, data.tokenizer, progress.step)
         metrics["checkpoint"] = str(checkpoint)
         if cfg.eval.average_last > 1:
-            final, metrics["averaged"] = average_last(cfg, ckpt_root, run_dir)
+            final, metrics["averaged"] = average_last(cfg, run_dir)
         if cfg.eval.at_end:
             final.to(ctx.device)  # decoding on the rank's GPU where it has one
             metrics.update(evaluate(final, data.tokenizer, data.splits, cfg.eval, lang=cfg.data.tgt_lang))
@@ -226,21 +225,6 @@ def run(cfg: Config) -> dict[str, Any]:
         writer.close()
         print(f"checkpoint: {checkpoint}")
     return metrics
-
-
-def average_last(cfg: Config, ckpt_root: Path, run_dir: Path) -> tuple[Transformer, dict[str, Any]]:
-    """The final model of ``eval.average_last`` N > 1: the mean of the last N complete checkpoints,
-    exported to ``<run_dir>/averaged-lastN`` (what ``tpe-ckpt average`` writes) and read back."""
-    n = cfg.eval.average_last
-    chosen = [e for e in entries(ckpt_root) if e.complete][-n:]
-    if len(chosen) < n:
-        print(f"tpe-train: eval.average_last={n}, but the run has {len(chosen)} complete checkpoints; "
-              "averaging those")  # fmt: skip
-    export = export_mean([e.path for e in chosen], run_dir / f"averaged-last{n}")
-    names = [e.path.name for e in chosen]
-    print(f"tpe-train: final model = mean of {', '.join(names)} -> {export}")
-    model, _, _ = load_export(export)
-    return model, {"checkpoints": names, "export": str(export)}
 
 
 def _sample_log(cfg: Config, ctx: ParallelContext) -> Any:
