@@ -270,17 +270,8 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tpe-train: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Preempted:
-        _leave_process_group()
         return EXIT_PREEMPTED
-    _leave_process_group()
     return 0
-
-
-def _leave_process_group() -> None:
-    """After a run every rank finished (or saved on a signal they all saw): NCCL warns of leaked
-    resources otherwise. Not after an error, when another rank may still wait in a collective."""
-    if dist.is_initialized():
-        dist.destroy_process_group()
 
 
 if __name__ == "__main__":
