@@ -2,7 +2,7 @@
 
     tpe-launch submit --preset P --nodes N --gpus-per-node G [options] [overrides]  # sbatch a template
     tpe-launch run --preset P [options] [overrides]   # per node: accelerate launch ... -m tpe_train.train
-    tpe-launch supervise -- srun ...                   # the batch step: preemption signal and requeue
+    tpe-launch supervise --status-dir DIR -- srun ...  # the batch step: preemption signal and requeue
 
 Bad input (an unknown preset or layout, nodes < 1, an invalid override, ...) stops with one
 paragraph on stderr and exit code 2, before anything is submitted or started.
@@ -15,6 +15,7 @@ import os
 import shlex
 import sys
 from collections.abc import Mapping
+from pathlib import Path
 from typing import NoReturn
 
 from launcher.plan import LaunchError, LaunchPlan, Layout, NodeEnv, Resources, sweep_kind, sweep_overrides
@@ -135,7 +136,7 @@ def cmd_run(argv: list[str]) -> int:
         return 0
     print(f"tpe-launch: {plan.describe()}", file=sys.stderr, flush=True)
     print(f"tpe-launch: {shlex.join(plan.command())}", file=sys.stderr, flush=True)
-    return run_node(plan.command(), env)
+    return run_node(plan.command(), env, ranks=plan.resources.procs_per_node)
 
 
 def cmd_submit(argv: list[str]) -> int:
@@ -150,12 +151,16 @@ def cmd_submit(argv: list[str]) -> int:
 
 
 def cmd_supervise(argv: list[str]) -> int:
+    status = None
+    if argv[:1] == ["--status-dir"] and len(argv) > 1:
+        status, argv = Path(argv[1]), argv[2:]
     cmd = argv[1:] if argv[:1] == ["--"] else argv
     if not cmd:
         raise LaunchError(
-            "tpe-launch supervise needs the command to run after --, e.g. -- srun tpe-launch run"
+            "tpe-launch supervise needs the command to run after --, e.g. "
+            "tpe-launch supervise --status-dir RUN_DIR -- srun tpe-launch run ..."
         )
-    return supervise_job(cmd, os.environ)
+    return supervise_job(cmd, os.environ, status)
 
 
 COMMANDS = {"submit": cmd_submit, "run": cmd_run, "supervise": cmd_supervise}

@@ -200,6 +200,7 @@ def build(args: SubmitArgs) -> Submission:
         sub.run_dirs["run dir"] = run_dir
         sub.log = str(run_dir / "slurm-%j.out")
         sub.tensorboard = run_dir / "tb"
+        values["status_dir"] = shlex.quote(str(run_dir))  # shared by the nodes: their status records
         name = args.job_name or f"tpe-{preset_name}"
         node_overrides = overrides
     else:
@@ -227,7 +228,7 @@ def build(args: SubmitArgs) -> Submission:
         sub.log = str(root / "slurm-%A_%a.out")
         sub.tensorboard = root
         values["array"] = args.array or f"0-{len(POSITION_SWEEP) - 1}"
-        values["sweep_root"] = shlex.quote(str(root))
+        values["sweep_root"] = values["status_dir"] = shlex.quote(str(root))
         name = args.job_name or f"tpe-sweep-{preset_name}"
         node_overrides = sweep_overrides(overrides, "<kind>", root)
     run_flags += ["--", *overrides]

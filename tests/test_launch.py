@@ -292,6 +292,7 @@ def test_run_dry_run_from_a_fake_allocation(
     env = slurm_env(SLURM_JOB_NODELIST="node[3-4]", SLURM_NODEID="1", SLURM_NNODES="2",
                     SLURM_STEP_NUM_TASKS="2", SLURM_ARRAY_TASK_ID="4", SLURM_CPUS_ON_NODE="2")  # fmt: skip
     monkeypatch.delenv("SLURM_CONF", raising=False)  # scontrol expands the list, or fails and we read it
+    monkeypatch.delenv("DS_ACCELERATOR", raising=False)  # the dry run prints what it adds to the environment
     for key, value in env.items():
         monkeypatch.setenv(key, value)
     argv = ["run", "--sweep", "positions", "--sweep-root", "/runs/sw", "--dry-run", "train.max_steps=4"]
@@ -307,10 +308,11 @@ def test_run_dry_run_from_a_fake_allocation(
 
 # A stand-in for accelerate: an "agent" that starts a "rank" and exits 1 when the rank fails (as
 # torchrun does); the rank installs its SIGUSR1 handler after DELAY seconds, then on SIGUSR1 writes
-# how many it got and exits 75, as the trainer does.
+# how many it got and exits as the trainer does (``preempted_exit``: 75 and its exit record).
 FAKE_LAUNCH = textwrap.dedent(
     """
     import os, signal, subprocess, sys, time
+    from tpe_train.exits import preempted_exit
     if sys.argv[1] == "agent":
         rank = subprocess.Popen([sys.executable, __file__, "rank", *sys.argv[2:]])
         sys.exit(0 if rank.wait() == 0 else 1)
@@ -324,7 +326,7 @@ FAKE_LAUNCH = textwrap.dedent(
         if got:
             time.sleep(0.3)  # "checkpoint"; a second signal now would be counted too
             open(out, "w").write(str(len(got)))
-            sys.exit(75)
+            sys.exit(preempted_exit())
         time.sleep(0.05)
     sys.exit(0)
     """
@@ -384,3 +386,55 @@ def test_supervisor_passes_failures_through_and_75_outside_slurm() -> None:
         )
         assert proc.returncode == code, proc.stderr
     assert "run the same command again to resume" in proc.stderr
+
+
+# A stand-in for srun under `tpe-launch supervise`: each "node" writes its status record as
+# `tpe-launch run` does, then it exits with the code given; a fake scontrol logs its arguments.
+FAKE_SRUN = textwrap.dedent(
+    """
+    import os, sys
+    from pathlib import Path
+    from launcher.supervise import write_node_status
+    *outcomes, code = sys.argv[1:]
+    for node, outcome in enumerate(outcomes):
+        env = {"SLURM_NODEID": str(node), "SLURMD_NODENAME": f"n{node + 1}"}
+        write_node_status(Path(os.environ["TPE_JOB_STATUS_DIR"]), env, outcome, 0 if outcome == "done" else 1,
+                          1 if outcome == "preempted" else 0, 1)
+    sys.exit(int(code))
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "outcomes, srun_code, requeued, code",
+    [
+        (["preempted", "preempted"], 0, True, 0),  # every node checkpointed: requeue
+        (["done", "done"], 0, False, 0),  # finished before the signal took effect: no requeue
+        (["preempted", "failed"], 1, False, 1),  # a real failure wins over a preemption
+    ],
+)
+def test_supervisor_requeues_from_the_node_records(
+    tmp_path: Path, outcomes: list[str], srun_code: int, requeued: bool, code: int
+) -> None:
+    (tmp_path / "srun.py").write_text(FAKE_SRUN)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text(f'#!/bin/sh\necho "$@" >> {tmp_path / "scontrol.log"}\n')
+    scontrol.chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
+    env.update(SLURM_JOB_ID="123", SLURM_NNODES="2", PATH=f"{bin_dir}:{env['PATH']}")
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "launcher.cli", "supervise", "--status-dir", str(run_dir), "--",
+         sys.executable, str(tmp_path / "srun.py"), *outcomes, str(srun_code)],
+        env=env, capture_output=True, text=True,
+    )  # fmt: skip
+    assert proc.returncode == code, proc.stderr
+    log = tmp_path / "scontrol.log"
+    assert (log.read_text() == "requeue 123\n") if requeued else not log.exists()
+    for node, outcome in enumerate(outcomes):
+        assert f"node {node} (n{node + 1}): {outcome}" in proc.stderr
+    if "failed" in outcomes:
+        assert "node 1 (n2) failed" in proc.stderr
+    assert not list((run_dir / ".tpe-launch").iterdir())  # the attempt's records are removed

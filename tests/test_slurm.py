@@ -33,9 +33,10 @@ TINY = [
 JOB_TIMEOUT = 240  # seconds; every job also has a Slurm time limit (a hung rendezvous cannot hang CI)
 
 
-def submit(slurm: SlurmCluster, tmp: Path, *argv: str) -> dict[str, str]:
-    """``tpe-launch submit`` against the test cluster; its report as a mapping (job, log, run dir ...)."""
-    env = {**slurm.env, "TPE_DATA_CACHE": str(tmp / "data-cache")}
+def submit(slurm: SlurmCluster, tmp: Path, *argv: str, env: dict[str, str] | None = None) -> dict[str, str]:
+    """``tpe-launch submit`` against the test cluster (``env``: more for the job's environment); its
+    report as a mapping (job, log, run dir ...)."""
+    env = {**slurm.env, "TPE_DATA_CACHE": str(tmp / "data-cache"), **(env or {})}
     proc = subprocess.run(
         [sys.executable, "-m", "launcher.cli", "submit", "--time", "10", "--signal-before", "60", *argv],
         cwd=tmp,
@@ -137,27 +138,45 @@ def test_array_trains_two_encodings_into_their_own_run_dirs(slurm: SlurmCluster,
         assert (run / "checkpoint" / "model.safetensors").is_file()
 
 
-def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, tmp_path: Path) -> None:
-    """Slurm's warning signal (sent here by hand, as --signal=B:USR1@N would) reaches the batch step;
-    the trainers checkpoint and exit 75, the job is requeued and finishes from its checkpoint: all
-    steps trained, none twice."""
-    run, steps = tmp_path / "run", 20
-    report = submit(slurm, tmp_path, "--nodes", "2", "--cpus-per-node", "1", *TINY,
-                    f"train.max_steps={steps}", "train.log_samples=true", f"train.run_dir={run}")  # fmt: skip
-    job = report["job"]
-    samples = run / "samples" / "rank-00000.jsonl"
+def preempt_when_training(slurm: SlurmCluster, report: dict[str, str], run: Path) -> None:
+    """Wait until rank 0 has trained 2 steps, then send Slurm's warning signal to the batch step, as
+    --signal=B:USR1@N would."""
+    job, samples = report["job"], run / "samples" / "rank-00000.jsonl"
     deadline = time.monotonic() + JOB_TIMEOUT
     while not (samples.exists() and len(samples.read_text().splitlines()) >= 2):
         state = slurm.job(job)["JobState"]
         assert time.monotonic() < deadline and state in ("PENDING", "RUNNING"), log_of(report)
         time.sleep(0.2)
     slurm.run("scancel", "--batch", "--signal=USR1", job)
+
+
+def node_outcomes(log: str) -> list[tuple[str, str]]:
+    """(host, outcome) of each node as `tpe-launch supervise` reports them, in the order they ended."""
+    return re.findall(r"tpe-launch: node \d \((n\d)\): (\w+) \(launch exit", log)
+
+
+# TEST-ONLY hook of the trainer (tpe_train/exits.py): rank 0 (on n1) waits 20 s after its preemption
+# checkpoint before it exits, so that n2's task always ends first -- the order in which srun
+# --kill-on-bad-exit used to terminate n1 and fail the job instead of requeueing it.
+N1_EXITS_LAST = {"TPE_TEST_EXIT": "0:20"}
+
+
+def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """Slurm's warning signal reaches the batch step; the trainers checkpoint and exit 75, n2 first
+    and n1 20 s later; the job is requeued and finishes from its checkpoint: all steps trained, none
+    twice, whichever node ended first."""
+    run, steps = tmp_path / "run", 20
+    report = submit(slurm, tmp_path, "--nodes", "2", "--cpus-per-node", "1", *TINY,
+                    f"train.max_steps={steps}", "train.log_samples=true", f"train.run_dir={run}",
+                    env=N1_EXITS_LAST)  # fmt: skip
+    preempt_when_training(slurm, report, run)
     # the requeued job waits for its BeginTime (AuthInfo=cred_expire=10 in the test cluster); forcing
     # StartTime=now races the revoked credential of the first run and kills the restart
-    (record,) = slurm.wait(job, JOB_TIMEOUT)
+    (record,) = slurm.wait(report["job"], JOB_TIMEOUT)
     log = log_of(report)
     assert_completed(record, log)
     assert record["Restarts"] == "1"
+    assert node_outcomes(log)[:2] == [("n2", "preempted"), ("n1", "preempted")], log[-4000:]
     stopped = json.loads((run / "preempted.json").read_text())["step"]
     assert 2 <= stopped < steps, log
     assert f"preempted at step {stopped}" in log and "requeued" in log
@@ -166,6 +185,37 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, tmp_path: Pa
         trained = [json.loads(line)["step"] for line in (run / "samples" / f"rank-{rank:05d}.jsonl").open()]
         assert trained == list(range(1, steps + 1))  # every step once, none repeated after the restart
     assert json.loads((run / "checkpoint" / "meta.json").read_text())["step"] == steps
+    assert not list((run / ".tpe-launch").iterdir())  # the status records of both attempts are gone
+
+
+@pytest.mark.parametrize(
+    "hook, failed, stopped",
+    [
+        # n2 checkpoints and exits 75 at once; n1, 20 s later, exits 1 instead of 75
+        ({"TPE_TEST_EXIT": "0:20:1"}, "n1", "n2"),
+        # n2 fails (exit 1) right after the checkpoint while n1 would wait 10 minutes: srun must stop it
+        ({"TPE_TEST_EXIT": "0:600,1:0:1"}, "n2", None),
+    ],
+    ids=["late-failure", "early-failure-stops-the-other-node"],
+)
+def test_a_real_failure_during_a_preemption_fails_the_job(
+    slurm: SlurmCluster, tmp_path: Path, hook: dict[str, str], failed: str, stopped: str | None
+) -> None:
+    run = tmp_path / "run"
+    report = submit(slurm, tmp_path, "--nodes", "2", "--cpus-per-node", "1", *TINY, "train.max_steps=400",
+                    "train.log_samples=true", f"train.run_dir={run}", env=hook)  # fmt: skip
+    preempt_when_training(slurm, report, run)
+    (record,) = slurm.wait(report["job"], JOB_TIMEOUT)  # a node left waiting 600 s would time this out
+    log = log_of(report)
+    assert record["JobState"] == "FAILED" and record.get("Restarts", "0") == "0", log[-4000:]
+    assert "requeued" not in log
+    outcomes = dict(node_outcomes(log))
+    assert outcomes[failed] == "failed", log[-4000:]
+    if stopped is not None:
+        assert outcomes[stopped] == "preempted"
+    else:  # the other node's task was terminated by srun before it could report anything
+        assert "n1: task 0: Terminated" in log or "n1: task 0: Killed" in log, log[-4000:]
+    assert "the launch failed with exit code" in log and f"{failed}) failed" in log
 
 
 def test_a_failing_trainer_fails_the_job(slurm: SlurmCluster, tmp_path: Path) -> None:

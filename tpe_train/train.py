@@ -29,7 +29,7 @@ from tpe_train.config import Config, ConfigError, load_config
 from tpe_train.data.corpus import Prepared, TrainBatches, prepare
 from tpe_train.data.sources import CorpusError
 from tpe_train.evaluate import evaluate, format_table
-from tpe_train.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED
+from tpe_train.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED, preempted_exit
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layout
 from tpe_train.parallel.engine import Engine
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"tpe-train: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Preempted:
-        return EXIT_PREEMPTED
+        return preempted_exit()  # 75, and the node's launcher is told this rank's checkpoint is complete
     return 0
 
 
