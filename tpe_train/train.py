@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from tpe_train import snapshot
+from tpe_train import run_lock, snapshot
 from tpe_train.checkpoint import average_last, build_model, parameter_count, save_export
 from tpe_train.ckpt_store import CheckpointError, check_compatible, latest_complete
 from tpe_train.config import Config, ConfigError, load_config
@@ -117,6 +117,12 @@ def run(cfg: Config) -> dict[str, Any]:
     """Train (and evaluate) one run on this process's share of the launch; returns the final figures."""
     layout = resolve_layout(cfg)  # an impossible layout stops here, before any work
     ctx = ParallelContext.from_env(layout.tp_size, deepspeed=layout.deepspeed is not None)
+    with run_lock.own(cfg.run_dir(), ctx.is_main, ctx.any):  # one run per directory; all ranks stop if not
+        return train(cfg, layout, ctx)
+
+
+def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
+    """The run itself, once this process's rank 0 owns the run directory."""
     seed_everything(cfg.train.seed)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
@@ -265,8 +271,8 @@ def main(argv: list[str] | None = None) -> int:
             print(cfg.to_yaml(), end="")
             return 0
         run(cfg)
-    except (ConfigError, CorpusError, CheckpointError) as err:  # reported, never a traceback
-        if main_rank:
+    except (ConfigError, CorpusError, CheckpointError, run_lock.RunDirBusy) as err:  # reported, no traceback
+        if main_rank and not getattr(err, "reported", False):
             print(f"tpe-train: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT
     except Preempted:

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
+from tpe_train.run_lock import RunDirBusy, RunLock
 from tpe_train.study.grid import ENCODINGS, Study, StudyError, parse_seeds, parse_setting
 
 
@@ -107,9 +108,12 @@ def cmd_run(argv: list[str]) -> int:
         study = Study.load(out).merge(study)
     study.grid()  # settings are valid
     if args.slurm:
-        if not args.dry_run:
+        if args.dry_run:
+            submit_slurm(study, shlex.split(args.slurm_args), dry_run=True)
+            return 0
+        with _own(out):  # while it submits: two submissions of one study would train every run twice
             study.save()
-        submit_slurm(study, shlex.split(args.slurm_args), dry_run=args.dry_run)
+            submit_slurm(study, shlex.split(args.slurm_args))
         return 0
     if args.slurm_args:
         raise StudyError("--slurm-args applies to --slurm; drop it, or add --slurm")
@@ -118,20 +122,26 @@ def cmd_run(argv: list[str]) -> int:
             "--jobs runs plain one-process runs side by side; with --launch each run already uses the "
             "machine's processes: drop --jobs or --launch"
         )
-    if not args.dry_run:
-        study.save()
-    failed = run_local(study, dry_run=args.dry_run, echo=args.verbose, jobs=args.jobs)
     if args.dry_run:
+        run_local(study, dry_run=True, jobs=args.jobs)
         return 0
-    if not args.no_report:
-        from tpe_train.study.report import write_report
+    with _own(out):
+        study.save()
+        failed = run_local(study, echo=args.verbose, jobs=args.jobs)
+        if not args.no_report:
+            from tpe_train.study.report import write_report
 
-        print(f"report: {write_report(study, args.heatmap_positions)}")
-        print(f"images: tensorboard --logdir {study.report_dir / 'tb'}; runs: tensorboard --logdir {out}")
+            print(f"report: {write_report(study, args.heatmap_positions)}")
+            print(f"images: tensorboard --logdir {study.report_dir / 'tb'}; runs: tensorboard --logdir {out}")
     if failed:
         print(f"tpe-study: {len(failed)} runs failed: {', '.join(failed)}", file=sys.stderr)
         return 1
     return 0
+
+
+def _own(out: Path) -> RunLock:
+    """The study directory's lock: a second ``tpe-study run`` on it stops before any work."""
+    return RunLock(out, fix="pass another --out", prog="tpe-study")
 
 
 def cmd_report(argv: list[str]) -> int:
@@ -169,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"tpe-study {argv[0]}: interrupted; the same command resumes the study", file=sys.stderr)
         return 130
-    except (StudyError, ConfigError) as err:
+    except (StudyError, ConfigError, RunDirBusy) as err:
         print(f"tpe-study {argv[0]}: error: {err}", file=sys.stderr)
         return 2
 
