@@ -191,8 +191,8 @@ def test_usr1_checkpoints_requeues_and_resumes(slurm: SlurmCluster, tmp_path: Pa
 @pytest.mark.parametrize(
     "hook, failed, stopped",
     [
-        # n2 checkpoints and exits 75 at once; n1, 20 s later, exits 1 instead of 75
-        ({"TPE_TEST_EXIT": "0:20:1"}, "n1", "n2"),
+        # n2 checkpoints and exits 75 at once; n1, 10 s later, exits 1 instead of 75
+        ({"TPE_TEST_EXIT": "0:10:1"}, "n1", "n2"),
         # n2 fails (exit 1) right after the checkpoint while n1 would wait 10 minutes: srun must stop it
         ({"TPE_TEST_EXIT": "0:600,1:0:1"}, "n2", None),
     ],
