@@ -125,16 +125,45 @@ def test_incomplete_checkpoints_are_reported_skipped_and_cleaned(tmp_path: Path)
     assert not broken.exists() and not (root / ".tmp-step-00000008").exists()
 
 
-def test_a_tampered_checkpoint_is_refused(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    train(run, "train.max_steps=2")
-    path = run / "checkpoints" / "step-00000002" / "optimizer.safetensors"
+def flip_last_byte(path: Path) -> None:
     data = bytearray(path.read_bytes())
     data[-1] ^= 0xFF
     path.write_bytes(bytes(data))
-    proc = train(run, "train.max_steps=4", check=False)
-    assert proc.returncode == 2 and "Traceback" not in proc.stderr
-    assert "optimizer.safetensors does not match the hash" in proc.stderr
+
+
+def test_a_tampered_checkpoint_auto_falls_back_latest_stops(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    train(run, "train.max_steps=4", "train.save_every=2")
+    root = run / "checkpoints"
+    flip_last_byte(root / "step-00000004" / "optimizer.safetensors")  # same size: only the hash can tell
+    strict = train(run, "train.max_steps=6", "train.resume=latest", check=False)
+    assert strict.returncode == 2 and "Traceback" not in strict.stderr
+    assert "step-00000004/optimizer.safetensors does not match the hash" in strict.stderr
+    flip_last_byte(root / "step-00000002" / "model.safetensors")
+    none = train(run, "train.max_steps=6", check=False)  # auto, and no checkpoint verifies
+    assert none.returncode == 2 and "no checkpoint in" in none.stderr and "Traceback" not in none.stderr
+    assert steps_of(run) == [2, 4] and not list(root.glob("*.corrupt*"))  # refused: nothing renamed
+    flip_last_byte(root / "step-00000002" / "model.safetensors")  # step 2 is sound again
+    auto = train(run, "train.max_steps=6", "train.save_every=2")
+    assert "warning: skipping checkpoint step-00000004: " in auto.stderr
+    assert "optimizer.safetensors does not match the hash" in auto.stderr
+    assert f"Moved aside to {root / 'step-00000004.corrupt'}" in auto.stderr
+    assert "resumed from" in auto.stdout and "step-00000002 at step 2" in auto.stdout
+    assert steps_of(run) == [2, 4, 6] and (root / "step-00000004.corrupt" / "manifest.json").is_file()
+    assert [s["step"] for s in samples(run)] == [1, 2, 3, 4, 3, 4, 5, 6]  # 3 and 4 again, from step 2
+
+
+def test_train_resume_is_a_mode_or_a_path() -> None:
+    from tpe_train.config import ConfigError, load_config
+
+    for bad in ("Auto", "NEVER", "strict", "''"):
+        try:
+            load_config("demo", [f"train.resume={bad}"])
+        except ConfigError as err:
+            assert "train.resume=" in str(err) and "latest (the newest checkpoint, strict)" in str(err)
+        else:
+            raise AssertionError(f"train.resume={bad!r} was accepted")
+    assert load_config("demo", ["train.resume=latest"]).train.resume == "latest"
 
 
 def test_a_checkpoint_of_another_model_or_tokenizer_is_refused(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,6 +177,66 @@ def verify(path: Path, names: list[str]) -> None:
                 f"{path / name} does not match the hash in {path / MANIFEST}: the file was modified or "
                 "corrupted after it was written; resume from another checkpoint (tpe-ckpt list) or restore it"
             )
+
+
+def verify_all(path: Path) -> None:
+    """Check every file of the manifest but DeepSpeed's own shards (``deepspeed/``, never read here)."""
+    manifest = json.loads((path / MANIFEST).read_text())
+    verify(path, [name for name in manifest["files"] if not name.startswith("deepspeed/")])
+
+
+def resume_choice(resume: str, run_dir: Path) -> Path | None:
+    """The checkpoint ``train.resume`` names (one process chooses; it may rename, see ``auto``):
+
+    - ``auto``: the newest complete checkpoint whose files match their manifest hashes; newer ones that
+      do not are renamed ``step-<N>.corrupt`` (kept for inspection, out of resume's and pruning's way)
+      with a warning naming each; when none verifies, the run stops and nothing is renamed;
+    - ``latest``: the newest complete checkpoint; a file that fails its hash stops the run when it is read;
+    - a path: that checkpoint (or the newest complete one of a ``checkpoints`` directory).
+    """
+    if resume not in ("auto", "latest"):
+        path = Path(resume)
+        entry = latest_complete(path)[0] if path.name == "checkpoints" else None
+        if not (path / MANIFEST).is_file() and entry is None:
+            raise CheckpointError(
+                f"train.resume={path} is not a complete checkpoint (no manifest.json); pass a "
+                "<run_dir>/checkpoints/step-* directory listed complete by `tpe-ckpt list`, or auto, latest "
+                "or never"
+            )
+        return entry.path if entry is not None else path
+    root = run_dir / "checkpoints"
+    entry, skipped = latest_complete(root)
+    for bad in skipped:
+        print(f"tpe-train: skipping incomplete checkpoint {bad.path} ({bad.reason})")
+    if resume == "latest" or entry is None:
+        return entry.path if entry is not None else None
+    older = [e for e in entries(root) if e.complete and e.step < entry.step]
+    failed: list[tuple[Entry, str]] = []
+    for candidate in [entry, *reversed(older)]:
+        try:
+            verify_all(candidate.path)
+        except CheckpointError as err:
+            failed.append((candidate, str(err).split("; ")[0]))  # what failed, not the strict advice
+            continue
+        for bad, why in failed:
+            aside = bad.path.with_name(f"{bad.path.name}.corrupt")
+            n = 1
+            while aside.exists():
+                n += 1
+                aside = bad.path.with_name(f"{bad.path.name}.corrupt{n}")
+            bad.path.rename(aside)
+            print(
+                f"tpe-train: warning: skipping checkpoint {bad.path.name}: {why}. Moved aside to {aside} "
+                f"(inspect it, then delete it); resuming from {candidate.path.name}, the newest that "
+                "verifies (train.resume=latest would stop instead)",
+                file=sys.stderr,
+                flush=True,
+            )
+        return candidate.path
+    raise CheckpointError(
+        f"no checkpoint in {root} verifies against its manifest ({'; '.join(why for _, why in failed)}); "
+        "restore one from a copy and run again, or start over in a new run directory"
+    )
 
 
 def check_compatible(path: Path, cfg: Config, vocab: str | None = None) -> None:

@@ -322,9 +322,25 @@ class TrainConfig(Section):
     keep_every: int = Field(0, ge=0)
     """Also keep every checkpoint whose step is a multiple of this (0: none)."""
     resume: str = "auto"
-    """auto: continue from the run directory's latest complete checkpoint; never; or a checkpoint path."""
+    """auto: continue from the newest checkpoint of <run_dir>/checkpoints that verifies against its manifest
+    (a newer one that fails is moved aside as step-N.corrupt, with a warning); latest: the newest complete
+    one, and stop if a file fails its hash (strict); never: start from step 0; or a checkpoint path."""
     log_samples: bool = False
     """Write the pair ids of every training batch to <run_dir>/samples/rank-<r>.jsonl (audits resume)."""
+
+    @model_validator(mode="after")
+    def _resume(self) -> TrainConfig:
+        value = self.resume.strip()
+        keyword = value.lower()
+        if not value or (keyword in RESUME_MODES and value != keyword) or keyword in ("strict", "fallback"):
+            raise ValueError(
+                f"train.resume={self.resume!r} is neither a mode nor a path; use auto (the newest checkpoint "
+                "that verifies), latest (the newest checkpoint, strict), never, or the path of a checkpoint"
+            )
+        return self
+
+
+RESUME_MODES = ("auto", "latest", "never")
 
 
 class ParallelConfig(Section):
@@ -545,7 +561,7 @@ def markdown_reference() -> str:
         "| key | default | meaning |",
         "|---|---|---|",
     ]
-    lines += [f"| `{key}` | `{default}` | {doc} |" for key, default, doc in describe()]
+    lines += [f"| `{key}` | `{default}` | {' '.join(doc.split())} |" for key, default, doc in describe()]
     return "\n".join(lines) + "\n"
 
 

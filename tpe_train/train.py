@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from tpe_train import run_lock, snapshot
 from tpe_train.checkpoint import average_last, build_model, parameter_count, save_export
-from tpe_train.ckpt_store import CheckpointError, check_compatible, latest_complete
+from tpe_train.ckpt_store import CheckpointError, check_compatible, latest_complete, resume_choice
 from tpe_train.config import Config, ConfigError, load_config
 from tpe_train.data.corpus import Prepared, TrainBatches, prepare
 from tpe_train.data.sources import CorpusError
@@ -95,22 +95,19 @@ def build_engine(cfg: Config, data: Prepared, ctx: ParallelContext, layout: Layo
 
 
 def resume_point(cfg: Config, ctx: ParallelContext) -> Path | None:
-    """The checkpoint to resume from (``train.resume``), reporting incomplete ones it skips."""
+    """The checkpoint to resume from (``train.resume``): rank 0 chooses, every rank gets its choice."""
     if cfg.train.resume == "never":
         return None
-    if cfg.train.resume != "auto":
-        path = Path(cfg.train.resume)
-        entry = latest_complete(path)[0] if path.name == "checkpoints" else None
-        if not (path / "manifest.json").is_file() and entry is None:
-            raise CheckpointError(
-                f"train.resume={path} is not a complete checkpoint (no manifest.json); pass a "
-                "<run_dir>/checkpoints/step-* directory listed complete by `tpe-ckpt list`, or auto / never"
-            )
-        return entry.path if entry is not None else path
-    entry, skipped = latest_complete(cfg.run_dir() / "checkpoints")
-    for bad in skipped if ctx.is_main else []:
-        print(f"tpe-train: skipping incomplete checkpoint {bad.path} ({bad.reason})")
-    return entry.path if entry is not None else None
+    found: tuple[Path | None, str] = (None, "")
+    if ctx.is_main:  # alone: auto may set a corrupt checkpoint aside
+        try:
+            found = (resume_choice(cfg.train.resume, cfg.run_dir()), "")
+        except CheckpointError as err:
+            found = (None, str(err))
+    path, error = ctx.gather(found)[0]
+    if error:
+        raise CheckpointError(error)
+    return path
 
 
 def run(cfg: Config) -> dict[str, Any]:
