@@ -108,7 +108,8 @@ class RunLock:
                 f"events and results, so this one stops before any work. Wait for that run to end (or stop "
                 f"it: kill that pid, scancel that job) and run the same command again to continue it, or "
                 f"{self.fix}. A lock whose process has died is released by the system and never blocks a "
-                "rerun."
+                "rerun (on NFS, a lock of a node that crashed lasts until the server lets it go; if that "
+                "process is surely gone, delete the lock file)."
             ) from None
         except OSError as err:
             os.close(fd)
