@@ -156,6 +156,8 @@ class NodeRun:
             _say(
                 f"{here}: every rank here ({self.ranks}) checkpointed and exited {EXIT_PREEMPTED}: preempted"
             )
+        if outcome == "failed" and rc == EXIT_PREEMPTED:
+            rc = 1  # 75 means "every rank checkpointed", which the records do not show
         status = self.env.get(JOB_STATUS)
         if not status:  # not under `tpe-launch supervise`: the exit code says it all
             return EXIT_PREEMPTED if outcome == "preempted" else rc
@@ -274,7 +276,10 @@ class JobSupervisor:
                  f"{r['preempted_ranks']} of {r['ranks']} ranks exited {EXIT_PREEMPTED})")  # fmt: skip
         if self.status is not None:
             shutil.rmtree(self.status, ignore_errors=True)  # (its parent stays: other jobs may use it)
-        preempted = any(r["outcome"] == "preempted" for r in records) if rc == 0 else rc == EXIT_PREEMPTED
+        if self.status is not None:  # the nodes' records decide; srun's code only says whether one failed
+            preempted = rc == 0 and any(r["outcome"] == "preempted" for r in records)
+        else:  # a single task run without status records: 75 is its own word for it
+            preempted = rc == EXIT_PREEMPTED
         if preempted and not self.term:
             return self.requeue()
         if preempted:

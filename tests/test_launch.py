@@ -3,6 +3,7 @@ and signal handling with real processes (tests/test_slurm.py runs the same on a 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shlex
@@ -333,7 +334,7 @@ FAKE_LAUNCH = textwrap.dedent(
 )
 
 
-def _start_node_run(tmp_path: Path, delay: float) -> tuple[subprocess.Popen[str], Path]:
+def _start_node_run(tmp_path: Path, delay: float, **env: str) -> tuple[subprocess.Popen[str], Path]:
     script = tmp_path / "fake_launch.py"
     script.write_text(FAKE_LAUNCH)
     out = tmp_path / "rank.out"
@@ -342,7 +343,8 @@ def _start_node_run(tmp_path: Path, delay: float) -> tuple[subprocess.Popen[str]
         f"sys.exit(run_node([sys.executable, {str(script)!r}, 'agent', {str(out)!r}, '{delay}'], "
         "{k: v for k, v in os.environ.items() if not k.startswith('SLURM_')}))"
     )
-    proc = subprocess.Popen([sys.executable, "-c", driver], text=True, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", driver], text=True, stderr=subprocess.PIPE,
+                            env={**os.environ, **env})  # fmt: skip
     return proc, out
 
 
@@ -360,6 +362,28 @@ def test_node_run_forwards_usr1_and_reports_preemption(tmp_path: Path) -> None:
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == EXIT_PREEMPTED, err
     assert out.read_text() == "1"  # the agent ignored it and lived; the rank got it exactly once
+
+
+def test_under_supervise_a_preempted_node_ends_0_and_says_so_in_its_record(tmp_path: Path) -> None:
+    status = tmp_path / "status"
+    proc, out = _start_node_run(tmp_path, delay=0.0, TPE_JOB_STATUS_DIR=str(status))
+    _wait_for(out.with_suffix(".out.ready"))
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 0, err  # not a bad exit for srun --kill-on-bad-exit
+    record = json.loads((status / "node-0.json").read_text())
+    assert (record["outcome"], record["preempted_ranks"], record["ranks"]) == ("preempted", 1, 1)
+
+
+def test_a_rank_that_fails_after_its_checkpoint_fails_the_node(tmp_path: Path) -> None:
+    status = tmp_path / "status"
+    # TEST-ONLY hook: rank 0 exits 1 instead of 75 once it has checkpointed
+    proc, out = _start_node_run(tmp_path, delay=0.0, TPE_JOB_STATUS_DIR=str(status), TPE_TEST_EXIT="0:0:1")
+    _wait_for(out.with_suffix(".out.ready"))
+    proc.send_signal(signal.SIGUSR1)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 1 and "the launch failed with exit code 1 (0 of 1 ranks" in err, err
+    assert json.loads((status / "node-0.json").read_text())["outcome"] == "failed"
 
 
 def test_a_signal_before_the_handler_reaches_the_rank_once_it_listens(tmp_path: Path) -> None:
