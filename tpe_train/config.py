@@ -552,7 +552,7 @@ def markdown_reference() -> str:
         "| key | default | meaning |",
         "|---|---|---|",
     ]
-    lines += [f"| `{key}` | `{default}` | {doc} |" for key, default, doc in describe()]
+    lines += [f"| `{key}` | `{default}` | {' '.join(doc.split())} |" for key, default, doc in describe()]
     return "\n".join(lines) + "\n"
 
 
