@@ -161,9 +161,13 @@ def measure_peak(
     return peak
 
 
-def model_shapes(args: ModelArgs, rows: int = 1024) -> list[tuple[int, int, int]]:
-    """The model's two FFN products at ``rows`` tokens: the largest of its layers' GEMMs."""
-    return [(rows, args.d_model, args.ffn_dim), (rows, args.ffn_dim, args.d_model)]
+def model_shapes(args: ModelArgs, device: torch.device) -> list[tuple[int, int, int]]:
+    """Where the peak is measured: the model's two FFN products, the largest of its layers' GEMMs, at
+    1,024 tokens on a CPU (near its peak already); on a GPU at 16,384 tokens and an 8,192-cube, which
+    a GPU needs to come near its peak (a small product would understate it and overstate MFU)."""
+    rows = 1024 if device.type == "cpu" else 16384
+    shapes = [(rows, args.d_model, args.ffn_dim), (rows, args.ffn_dim, args.d_model)]
+    return shapes if device.type == "cpu" else [*shapes, (8192, 8192, 8192)]
 
 
 # ---------------------------------------------------------------------------- the trainer
@@ -211,7 +215,7 @@ class Throughput:
         self.args, self.tp_size = args, tp_size
         self.peak = peak_gflops
         if enabled and not peak_gflops:
-            self.peak = measure_peak(dtype, device, model_shapes(args), native_bf16=False).gflops()
+            self.peak = measure_peak(dtype, device, model_shapes(args, device), native_bf16=False).gflops()
         self.tokens, self.flops, self.start = 0.0, 0.0, time.perf_counter()
 
     @classmethod
