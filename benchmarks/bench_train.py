@@ -6,6 +6,8 @@ Run from the repository root (CPU; the numbers are only comparable *within one r
     python benchmarks/bench_train.py --steps 2 --warmup 1 --only none,rope --no-decode
     python benchmarks/bench_train.py --json bench.json   # also write every number
     python benchmarks/bench_train.py --device cuda       # on a GPU (timings synchronise the device)
+    python benchmarks/bench_train.py --threads 1 --cpu-time   # one thread, timed by its CPU time: a
+                                                         # busy machine's other processes not counted
 
 Shape (one issue's): d_model 256, 4 heads, FFN 1024, 3 + 3 layers, one shared vocabulary of 8,000
 with tied embeddings, dropout 0.1 (attention and activation dropout 0), batches of 128 sentences
@@ -105,6 +107,7 @@ DECODE_BATCH, DECODE_NEW = 64, 30  # decoding: sentences per batch; N (decoder s
 EPSILON, LR, SEED = 0.1, 1e-4, 1234
 HF_MATCH = {"sinusoidal": "hf-marian", "learned": "hf-bart", "t5": "hf-t5"}
 DEVICE = torch.device("cpu")  # --device; every model, batch and matmul operand lives there
+CLOCK = time.perf_counter  # --cpu-time: time.thread_time, the CPU time of the (one) computing thread
 
 
 def sync() -> None:
@@ -280,10 +283,10 @@ def _time_each(fns: dict[str, Any], reps: int) -> dict[str, float]:
     for _ in range(reps):
         for name, fn in fns.items():
             sync()
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             fn()
             sync()
-            times[name].append(time.perf_counter() - t0)
+            times[name].append(CLOCK() - t0)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
@@ -520,10 +523,10 @@ def run_interleaved(rows: list[Any], warmup: int, steps: int, label: str) -> Non
         shift = r % len(rows)
         for row in rows[shift:] + rows[:shift]:
             sync()
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             row.step()
             sync()
-            row.times.append(time.perf_counter() - t0)
+            row.times.append(CLOCK() - t0)
         print(
             f"  [{label}] round {r + 1}/{steps} in {time.perf_counter() - t_round:6.1f} s",
             file=sys.stderr,
@@ -641,10 +644,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
     p.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time steps and GEMMs by the CPU time of the computing thread (needs --threads 1): what a "
+        "shared machine's other processes take is then not counted",
+    )
+    p.add_argument(
         "--device", default="cpu", help="cpu (default) or cuda[:N]: where every model, batch and matmul runs"
     )
     p.add_argument("--json", type=Path, help="write every number to this file")
     args = p.parse_args(argv)
+    if args.cpu_time and args.threads != 1:
+        p.error("--cpu-time measures one thread: add --threads 1")
     unknown = [k for k in args.only if k not in kinds]
     if unknown:
         p.error(f"unknown encoding(s) {unknown}; choose from {kinds}")
@@ -686,8 +697,9 @@ def run_training(
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    global DEVICE
+    global DEVICE, CLOCK
     DEVICE = torch.device(args.device)
+    CLOCK = time.thread_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
     perf.configure_cpu(args.cpu_gemm, DEVICE)  # as the trainer: GEMM kernels, allocator
     started = time.perf_counter()
@@ -705,6 +717,7 @@ def main(argv: list[str] | None = None) -> None:
         "device": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_gemm": args.cpu_gemm,
+        "clock": "thread CPU time" if args.cpu_time else "wall",
         "rules (onednn faster, bf16 widened)": kernels.cpu_rules(),
     }
     if hf_names:
