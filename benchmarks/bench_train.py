@@ -6,6 +6,8 @@ Run from the repository root (CPU; the numbers are only comparable *within one r
     python benchmarks/bench_train.py --steps 2 --warmup 1 --only none,rope --no-decode
     python benchmarks/bench_train.py --json bench.json   # also write every number
     python benchmarks/bench_train.py --device cuda       # on a GPU (timings synchronise the device)
+    python benchmarks/bench_train.py --threads 1 --cpu-time   # one thread, timed by its CPU time: a
+                                                         # busy machine's other processes not counted
 
 Shape (one issue's): d_model 256, 4 heads, FFN 1024, 3 + 3 layers, one shared vocabulary of 8,000
 with tied embeddings, dropout 0.1 (attention and activation dropout 0), batches of 128 sentences
@@ -15,11 +17,17 @@ fixed seed) and every model sees the same batches in the same order.
 
 What is measured
 ----------------
-1. **Peak**: ``torch.matmul`` GFLOP/s on the model's own GEMM shapes ((4096x256)@(256x1024),
-   (4096x1024)@(1024x256), (4096x256)@(256x256), (4096x256)@(256x8000)), median of several timed
-   repetitions per shape, in fp32 and bf16; the peak is the best shape's median. It is measured once
-   at the start and again as one more row of the interleaved training rounds (3 repetitions per
-   shape per round); MFU uses the latter, taken under the same machine load as the steps.
+1. **Peak** (``tpe_train/perf.py``, the trainer's MFU uses the same code): GFLOP/s of every way the
+   machine multiplies the model's own GEMM shapes ((4096x256)@(256x1024), (4096x1024)@(1024x256),
+   (4096x256)@(256x256), (4096x256)@(256x8000)): PyTorch's kernel (MKL for fp32 on x86), oneDNN's,
+   and for bf16 on a CPU the operands widened to fp32 (with either library). Per dtype, the peak is
+   the best (shape, kernel) median. It is measured once at the start and again as one more row of
+   the interleaved training rounds (3 repetitions per kernel and shape per round); MFU uses the
+   latter, taken under the same machine load as the steps (where the CPU has no bf16 kernels,
+   PyTorch's bf16 kernel is too slow to repeat there: its at-start rate enters the peak instead).
+   A kernel table also prints each training product -- forward x W^T, input gradient g W, weight
+   gradient g^T x -- through PyTorch's kernel and through oneDNN (fp32) or widened (bf16), and
+   which one ``train.cpu_gemm=auto`` takes on this processor.
 2. **Training step**: forward + label-smoothed loss (eps 0.1, ``label_smoothed_loss`` on the logits
    for *every* model, HF ones included, never HF's ``labels=``) + backward + Adam step, dropout on,
    in fp32 and under ``torch.autocast("cpu", dtype=torch.bfloat16)`` around forward + loss (fp32
@@ -31,21 +39,12 @@ What is measured
    Columns: target tokens/s (mean non-pad target tokens per batch / median step time), step ms,
    ``vs HF`` = tokens/s of the row / tokens/s of its matching HF model (> 1: tpe_train faster),
    ``vs none`` = step time / step time of tpe ``none`` in the same dtype, MFU = model FLOP/s /
-   measured fp32 matmul peak (bf16 rows also against the bf16 peak).
-3. **Model FLOPs** (matmul FLOPs only, 2 per multiply-add; training = 3 x forward), per sentence at
-   the *padded* lengths Ls, Lt, with d = d_model, f = FFN dim, V = vocabulary, per layer:
-
-   - encoder:          self-attn projections 4*2*Ls*d^2 + scores & weighted sum 2*2*Ls^2*d
-                       + FFN 2*2*Ls*d*f
-   - decoder self:     4*2*Lt*d^2 + 2*2*Lt^2*d (full square, not halved for causality)
-   - decoder cross:    q & out projections 2*2*Lt*d^2 + k & v projections 2*2*Ls*d^2
-                       + scores & weighted sum 2*2*Lt*Ls*d
-   - decoder FFN:      2*2*Lt*d*f
-   - output layer:     2*Lt*d*V (once)
-
-   Embedding look-ups, norms, softmax, the loss, position-encoding extras (Shaw's q.R^T, RoPE's
-   rotation, bias construction) and the optimizer are not counted, so all models of this shape do
-   the same "model FLOPs" and MFU is proportional to tokens/s.
+   the measured peak of the row's dtype. The process runs as the trainer does
+   (``tpe_train.perf.configure_cpu``: ``train.cpu_gemm``, allocator), HF rows included.
+3. **Model FLOPs**: ``tpe_train.perf.forward_flops`` (matmul FLOPs, 2 per multiply-add, training =
+   3 x forward, padded lengths; formula in that module's docstring). Norms, softmax, the loss,
+   position-encoding extras and the optimizer are not counted, so all models of this shape do the
+   same "model FLOPs" and MFU is proportional to tokens/s.
 4. **Decoding**: beam 4, length penalty 0.6, KV cache, a batch of 64 sources of length 24..36, fp32,
    eval mode. With random weights the models would stop at different, arbitrary lengths, so both
    sides are made to run exactly the same number of decoder steps, ``N + 1`` with N = 30:
@@ -92,6 +91,8 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout without installing the package
     sys.path.insert(0, str(ROOT))
 
+from tpe_train import perf  # noqa: E402
+from tpe_train.model import kernels  # noqa: E402
 from tpe_train.model.args import ModelArgs  # noqa: E402
 from tpe_train.model.generate import beam_search  # noqa: E402
 from tpe_train.model.loss import label_smoothed_loss  # noqa: E402
@@ -106,6 +107,7 @@ DECODE_BATCH, DECODE_NEW = 64, 30  # decoding: sentences per batch; N (decoder s
 EPSILON, LR, SEED = 0.1, 1e-4, 1234
 HF_MATCH = {"sinusoidal": "hf-marian", "learned": "hf-bart", "t5": "hf-t5"}
 DEVICE = torch.device("cpu")  # --device; every model, batch and matmul operand lives there
+CLOCK = time.perf_counter  # --cpu-time: time.thread_time, the CPU time of the (one) computing thread
 
 
 def sync() -> None:
@@ -166,17 +168,8 @@ def make_decode_sources(seed: int) -> Tensor:
 
 
 def forward_flops(ls: int, lt: int) -> dict[str, int]:
-    """Matmul FLOPs of one forward pass of one sentence at padded lengths (ls, lt); see docstring."""
-    d, f, v = D_MODEL, FFN_DIM, VOCAB
-    parts = {
-        "encoder": LAYERS * (4 * 2 * ls * d * d + 2 * 2 * ls * ls * d + 2 * 2 * ls * d * f),
-        "decoder_self": LAYERS * (4 * 2 * lt * d * d + 2 * 2 * lt * lt * d),
-        "decoder_cross": LAYERS * (2 * 2 * lt * d * d + 2 * 2 * ls * d * d + 2 * 2 * lt * ls * d),
-        "decoder_ffn": LAYERS * 2 * 2 * lt * d * f,
-        "output": 2 * lt * d * v,
-    }
-    parts["total"] = sum(parts.values())
-    return parts
+    """Matmul FLOPs of one forward pass of one sentence at padded lengths (ls, lt); see perf.py."""
+    return perf.forward_flops(D_MODEL, FFN_DIM, LAYERS, LAYERS, VOCAB, ls, lt)
 
 
 # --------------------------------------------------------------------------------------- peak
@@ -186,53 +179,128 @@ PEAK_SHAPES = [(4096, 256, 1024), (4096, 1024, 256), (4096, 256, 256), (4096, 25
 PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-class PeakSampler:
-    """GFLOP/s of ``torch.matmul`` on the model's GEMM shapes; a row of the interleaved rounds too,
-    so that the peak behind MFU is measured under the same machine load as the training steps."""
+class PeakRow:
+    """The GEMM peaks (``perf.Peak``, every kernel on the model's shapes); a row of the interleaved
+    rounds too, so that the peak behind MFU is measured under the same machine load as the steps."""
 
-    name, dtype, warmup_steps = "matmul-peak", "", 0  # warmed up by its constructor
+    name, dtype, warmup_steps = "gemm-peak", "", 0  # warmed up by its constructor
 
-    def __init__(self, reps: int) -> None:
-        gen = torch.Generator().manual_seed(0)
+    def __init__(self, dtypes: list[str], reps: int, native_bf16: bool = True) -> None:
         self.reps = reps
         self.times: list[float] = []
-        self.operands = {
-            (dt, (m, k, n)): (
-                torch.randn(m, k, generator=gen).to(DEVICE, PEAK_DTYPES[dt]),
-                torch.randn(k, n, generator=gen).to(DEVICE, PEAK_DTYPES[dt]),
+        # a GPU comes near its peak only on large products: an 8,192-cube there
+        shapes = PEAK_SHAPES if DEVICE.type == "cpu" else [*PEAK_SHAPES, (8192, 8192, 8192)]
+        self.peaks = {
+            dt: perf.Peak(
+                PEAK_DTYPES[dt], DEVICE, perf.gemm_kernels(PEAK_DTYPES[dt], DEVICE, native_bf16), shapes
             )
-            for dt in PEAK_DTYPES
-            for m, k, n in PEAK_SHAPES
+            for dt in dtypes
         }
-        self.samples: dict[tuple[str, tuple[int, int, int]], list[float]] = {key: [] for key in self.operands}
-        for a, b in self.operands.values():  # untimed first call per shape
-            torch.matmul(a, b)
 
     def step(self) -> None:
-        for (dt, (m, k, n)), (a, b) in self.operands.items():
-            for _ in range(self.reps):
-                sync()
-                t0 = time.perf_counter()
-                torch.matmul(a, b)
-                sync()
-                self.samples[(dt, (m, k, n))].append(2 * m * k * n / (time.perf_counter() - t0) / 1e9)
+        for peak in self.peaks.values():
+            peak.sample(self.reps)
 
     def result(self) -> dict[str, Any]:
-        """Per dtype: median GFLOP/s per shape, and the peak = the best shape's median."""
-        out: dict[str, Any] = {}
-        for dt in PEAK_DTYPES:
-            per_shape = {
-                f"{m}x{k}@{k}x{n}": statistics.median(self.samples[(dt, (m, k, n))])
-                for m, k, n in PEAK_SHAPES
-            }
-            out[dt] = {"per_shape_gflops": per_shape, "peak_gflops": max(per_shape.values())}
+        """Per dtype: median GFLOP/s per shape and kernel, and the peak = the best of them."""
+        out = {}
+        for dt, peak in self.peaks.items():
+            table = peak.table(statistics.median)
+            best = max((g, f"{kernel} {shape}") for shape, row in table.items() for kernel, g in row.items())
+            out[dt] = {"per_shape_gflops": table, "peak_gflops": best[0], "peak_at": best[1]}
         return out
+
+
+def merge_peaks(during: dict[str, Any], start: dict[str, Any]) -> dict[str, Any]:
+    """The peaks MFU is taken against: those measured during training, raised by any kernel that was
+    measured only at the start (PyTorch's bf16 kernel where the CPU has no bf16 kernels)."""
+    out = {}
+    for dt, info in during.items():
+        kernels_during = {k for row in info["per_shape_gflops"].values() for k in row}
+        extra = [
+            (g, f"{k} {shape} (at start)")
+            for shape, row in start[dt]["per_shape_gflops"].items()
+            for k, g in row.items()
+            if k not in kernels_during
+        ]
+        best = max([(info["peak_gflops"], info["peak_at"]), *extra])
+        out[dt] = {**info, "peak_gflops": best[0], "peak_at": best[1]}
+    return out
 
 
 def print_peak(label: str, peak: dict[str, Any]) -> None:
     for dt, info in peak.items():
-        shapes = "  ".join(f"{s} {g:.0f}" for s, g in info["per_shape_gflops"].items())
-        print(f"{dt} matmul peak {label}: {info['peak_gflops']:6.1f} GFLOP/s  ({shapes})")
+        print(f"{dt} GEMM peak {label}: {info['peak_gflops']:6.1f} GFLOP/s ({info['peak_at']})")
+        for shape, row in info["per_shape_gflops"].items():
+            print(f"    {shape:<20}" + "  ".join(f"{k} {g:6.1f}" for k, g in row.items()))
+
+
+def kernel_table(reps: int, rows: int = 1024) -> list[dict[str, Any]]:
+    """Each training product of each model shape through PyTorch's kernel and the alternative
+    (oneDNN for fp32, widened to fp32 for bf16): median GFLOP/s, and the one ``auto`` takes here."""
+    onednn_faster, widens = kernels.cpu_rules()
+    gen = torch.Generator().manual_seed(1)
+    out = []
+    for dt, dtype in PEAK_DTYPES.items():
+        other = "onednn" if dt == "fp32" else "widened"
+        auto = other if (onednn_faster if dt == "fp32" else widens) else "torch"
+        for _, k, n in PEAK_SHAPES:
+            x, w, g = (
+                torch.randn(r, c, generator=gen).to(DEVICE, dtype) for r, c in ((rows, k), (n, k), (rows, n))
+            )
+            # a @ b^T for the three products: forward x W^T, input gradient g W, weight gradient g^T x
+            for product, (a, b) in {
+                "forward": (x, w),
+                "input grad": (g, w.t()),
+                "weight grad": (g.t(), x.t()),
+            }.items():
+                fns = {"torch": lambda a=a, b=b: torch.mm(a, b.t())}
+                if dt == "fp32":
+                    fns[other] = lambda a=a, b=b: kernels._mm_t(a, b, True)
+                else:
+                    fns[other] = lambda a=a, b=b, dtype=dtype: kernels._mm_t(
+                        a.float(), b.float(), onednn_faster
+                    ).to(dtype)
+                times = _time_each(fns, reps)
+                rates = {name: 2 * rows * k * n / t / 1e9 for name, t in times.items()}
+                out.append(
+                    {
+                        "dtype": dt,
+                        "shape": f"{rows}x{k}->{n}",
+                        "product": product,
+                        "gflops": rates,
+                        "auto": auto,
+                    }
+                )
+    return out
+
+
+def _time_each(fns: dict[str, Any], reps: int) -> dict[str, float]:
+    """Median seconds of each function, the calls interleaved (after one untimed call each)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(reps):
+        for name, fn in fns.items():
+            sync()
+            t0 = CLOCK()
+            fn()
+            sync()
+            times[name].append(CLOCK() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def print_kernel_table(table: list[dict[str, Any]]) -> None:
+    print(f"\n{'dtype':<6}{'product':<13}{'shape':<15}{'torch':>8}{'the other':>18}  auto takes")
+    for r in table:
+        rates = r["gflops"]
+        other = next(k for k in rates if k != "torch")
+        faster = max(rates, key=rates.get)
+        slower_pick = faster != r["auto"] and abs(rates[other] / rates["torch"] - 1) >= 0.1
+        print(
+            f"{r['dtype']:<6}{r['product']:<13}{r['shape']:<15}{rates['torch']:>8.1f}{other:>10}"
+            f"{rates[other]:>8.1f}  {r['auto']}{'  (the other was >10% faster)' if slower_pick else ''}"
+        )
 
 
 # ------------------------------------------------------------------------------------- models
@@ -455,10 +523,10 @@ def run_interleaved(rows: list[Any], warmup: int, steps: int, label: str) -> Non
         shift = r % len(rows)
         for row in rows[shift:] + rows[:shift]:
             sync()
-            t0 = time.perf_counter()
+            t0 = CLOCK()
             row.step()
             sync()
-            row.times.append(time.perf_counter() - t0)
+            row.times.append(CLOCK() - t0)
         print(
             f"  [{label}] round {r + 1}/{steps} in {time.perf_counter() - t_round:6.1f} s",
             file=sys.stderr,
@@ -493,8 +561,7 @@ def train_results(rows: list[TrainRow], batches: list[Batch], peak: dict[str, An
                 "vs_hf": tps / hf[(match, r.dtype)] if (match, r.dtype) in hf else None,
                 "vs_none": step / base[r.dtype] if r.dtype in base else None,
                 "model_gflops": flops / step / 1e9,
-                "mfu_fp32_peak": flops / step / 1e9 / peak["fp32"]["peak_gflops"],
-                "mfu_own_peak": flops / step / 1e9 / peak[r.dtype]["peak_gflops"],
+                "mfu": flops / step / 1e9 / peak[r.dtype]["peak_gflops"],
                 "last_loss": r.losses[-1],
             }
         )
@@ -504,15 +571,17 @@ def train_results(rows: list[TrainRow], batches: list[Batch], peak: dict[str, An
 def print_train(results: list[dict[str, Any]]) -> None:
     print(
         f"\n{'model':<12}{'dtype':<6}{'tok/s':>9}{'step ms':>10}{'min ms':>8}{'vs HF':>8}{'vs none':>9}"
-        f"{'GFLOP/s':>9}{'MFU':>7}{'MFU(bf16pk)':>13}{'params':>10}  attention"
+        f"{'GFLOP/s':>9}{'MFU':>7}{'params':>10}  attention"
     )
     for r in results:
-        own = _fmt(100 * r["mfu_own_peak"], ".1f") + "%" if r["dtype"] == "bf16" else "-"
         print(
             f"{r['model']:<12}{r['dtype']:<6}{r['tokens_per_s']:>9.0f}{r['step_ms']:>10.0f}{r['step_ms_min']:>8.0f}"
             f"{_fmt(r['vs_hf'], '.2f'):>8}{_fmt(r['vs_none'], '.2f'):>9}{r['model_gflops']:>9.1f}"
-            f"{100 * r['mfu_fp32_peak']:>6.1f}%{own:>13}{r['params'] / 1e6:>9.2f}M  {r['attention']}"
+            f"{100 * r['mfu']:>6.1f}%{r['params'] / 1e6:>9.2f}M  {r['attention']}"
         )
+    over = [f"{r['model']} {r['dtype']}" for r in results if r["mfu"] > 1]
+    if over:  # a model cannot outrun the best GEMM: the peak was measured under a heavier load
+        print(f"WARNING: MFU above 100% for {', '.join(over)}: the peak measurement was disturbed")
 
 
 def decode_results(rows: list[DecodeRow]) -> list[dict[str, Any]]:
@@ -562,12 +631,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--no-train", action="store_true", help="skip the training benchmark (decoding only)")
     p.add_argument("--decode-rounds", type=int, default=3, help="timed beam-search batches a row (default 3)")
     p.add_argument("--no-bf16", action="store_true", help="training in fp32 only")
+    p.add_argument(
+        "--no-hf-bf16",
+        action="store_true",
+        help="no bf16 rows for the HF models (on a CPU without bf16 kernels each step takes minutes)",
+    )
+    p.add_argument(
+        "--cpu-gemm",
+        default="auto",
+        choices=kernels.CPU_GEMM_MODES,
+        help="train.cpu_gemm of the tpe rows (default auto)",
+    )
     p.add_argument("--threads", type=int, default=2, help="torch.set_num_threads (default 2)")
+    p.add_argument(
+        "--cpu-time",
+        action="store_true",
+        help="time steps and GEMMs by the CPU time of the computing thread (needs --threads 1): what a "
+        "shared machine's other processes take is then not counted",
+    )
     p.add_argument(
         "--device", default="cpu", help="cpu (default) or cuda[:N]: where every model, batch and matmul runs"
     )
     p.add_argument("--json", type=Path, help="write every number to this file")
     args = p.parse_args(argv)
+    if args.cpu_time and args.threads != 1:
+        p.error("--cpu-time measures one thread: add --threads 1")
     unknown = [k for k in args.only if k not in kinds]
     if unknown:
         p.error(f"unknown encoding(s) {unknown}; choose from {kinds}")
@@ -575,25 +663,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def run_training(
-    args: argparse.Namespace, kinds: list[str], hf_names: list[str], dtypes: list[str], batches: list[Batch]
+    args: argparse.Namespace,
+    kinds: list[str],
+    hf_names: list[str],
+    dtypes: list[str],
+    batches: list[Batch],
+    peak_start: dict[str, Any],
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """The training rows, interleaved with the matmul peak; printed, and returned (with that peak)."""
+    """The training rows, interleaved with the GEMM peak; printed, and returned (with that peak)."""
     train_rows = [
         TrainRow(name, dtype, tpe_model(name) if not name.startswith("hf-") else hf_model(name), batches)
         for dtype in dtypes
         for name in [*kinds, *hf_names]
+        if not (args.no_hf_bf16 and dtype == "bf16" and name.startswith("hf-"))
     ]
-    during = PeakSampler(reps=3)
+    during = PeakRow(dtypes, reps=3, native_bf16=False)
     run_interleaved([*train_rows, during], args.warmup, args.steps, "train")
-    peak = during.result()
+    peak = merge_peaks(during.result(), peak_start)
     train = train_results(train_rows, batches, peak)
     print()
     print_peak("during training (interleaved with the steps; used for MFU)", peak)
     print(
         f"\ntraining step (fwd + label-smoothed loss + bwd + Adam), median of {args.steps} interleaved steps"
         f" after {args.warmup} warm-up;\nvs HF = tok/s / tok/s of matching HF model (>1: tpe faster);"
-        " vs none = step time / tpe none's (same dtype);\nMFU = model FLOP/s / fp32 matmul peak;"
-        " MFU(bf16pk) = model FLOP/s / bf16 matmul peak"
+        " vs none = step time / tpe none's (same dtype);\nMFU = model FLOP/s / the GEMM peak of the row's"
+        " dtype (best kernel and shape, measured during training)"
     )
     print_train(train)
     del train_rows
@@ -603,9 +697,11 @@ def run_training(
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    global DEVICE
+    global DEVICE, CLOCK
     DEVICE = torch.device(args.device)
+    CLOCK = time.thread_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
+    perf.configure_cpu(args.cpu_gemm, DEVICE)  # as the trainer: GEMM kernels, allocator
     started = time.perf_counter()
     kinds = [k for k in POSITIONS.names() if k in args.only]
     hf_names = [] if args.no_hf else [HF_MATCH[k] for k in kinds if k in HF_MATCH]
@@ -619,6 +715,10 @@ def main(argv: list[str] | None = None) -> None:
         "loadavg_at_start": load,
         "python": platform.python_version(),
         "device": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_gemm": args.cpu_gemm,
+        "clock": "thread CPU time" if args.cpu_time else "wall",
+        "rules (onednn faster, bf16 widened)": kernels.cpu_rules(),
     }
     if hf_names:
         import transformers
@@ -641,16 +741,20 @@ def main(argv: list[str] | None = None) -> None:
             f"  {3 * value * BATCH / 1e9:8.2f} GFLOP/batch train"
         )
 
-    print("\nmatmul GFLOP/s (median per shape; peak = best shape):")
-    sampler = PeakSampler(reps=7)
+    print("\nGEMM GFLOP/s per shape and kernel (median; peak = best shape and kernel):")
+    sampler = PeakRow(dtypes, reps=3)
     sampler.step()
     peak_start = sampler.result()
     print_peak("at start", peak_start)
+    table = kernel_table(reps=5) if DEVICE.type == "cpu" else []
+    if table:
+        print("\nthe training products at 1024 rows, GFLOP/s (median of 5): PyTorch's kernel and the other")
+        print_kernel_table(table)
 
     train: list[dict[str, Any]] = []
     peak: dict[str, Any] = {}
     if not args.no_train:
-        train, peak = run_training(args, kinds, hf_names, dtypes, batches)
+        train, peak = run_training(args, kinds, hf_names, dtypes, batches, peak_start)
 
     decode: list[dict[str, Any]] = []
     if not args.no_decode:
@@ -690,6 +794,7 @@ def main(argv: list[str] | None = None) -> None:
             "forward_flops_per_sentence": fl,
             "train_flops_per_step": fl["total"] * BATCH * 3,
             "peak_at_start": peak_start,
+            "kernel_table": table,
             "peak_during_training": peak,
             "train": train,
             "decode": decode,

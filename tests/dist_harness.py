@@ -1,14 +1,16 @@
 """Run under ``accelerate launch`` by tests/test_distributed.py: real engines, real process groups.
 
     accelerate launch --config_file X.yaml tests/dist_harness.py tp OUT.json [kinds...]
-    accelerate launch --config_file X.yaml tests/dist_harness.py zero OUT.json STEPS
+    accelerate launch --config_file X.yaml tests/dist_harness.py zero OUT.json STEPS [CPU_GEMM]
 
 ``tp``: for each encoding, one training step of the tensor-parallel engine the launch file describes,
 and the same step of one plain process on the same batch; records both losses and gradient norms
-and the largest difference of the consolidated parameters after the step.
+and the largest difference of the consolidated parameters after the step ("sinusoidal+onednn": with
+``train.cpu_gemm=onednn`` on both sides; ``onednn_nodes`` counts the products that took oneDNN).
 ``zero``: STEPS steps where each of the data-parallel ranks takes its half of a fixed global batch;
 the reference is one plain process taking the whole global batch (as two accumulated halves);
-records losses, gradient norms and the largest parameter difference after every step.
+records losses, gradient norms and the largest parameter difference after every step; CPU_GEMM:
+``train.cpu_gemm`` of both (default auto).
 Rank 0 writes the figures to OUT.json; the test asserts on them.
 """
 
@@ -22,6 +24,7 @@ import torch
 
 from tpe_train.config import Config, load_config
 from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
+from tpe_train.model.kernels import set_cpu_gemm
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layout
 from tpe_train.parallel.engine import Engine
@@ -33,7 +36,8 @@ from tpe_train.step import train_step
 VOCAB = 64
 
 
-def config(kind: str, accumulate: int = 1, dropout: float = 0.0) -> Config:
+def config(kind: str, accumulate: int = 1, dropout: float = 0.0, cpu_gemm: str = "auto") -> Config:
+    set_cpu_gemm(cpu_gemm)  # as the trainer does at start-up (process-wide)
     return load_config(
         "demo",
         [
@@ -54,6 +58,7 @@ def config(kind: str, accumulate: int = 1, dropout: float = 0.0) -> Config:
             "train.clip_norm=1000",  # clipping on, never binding: the norm is computed and reported
             "train.label_smoothing=0.1",
             "train.lr=1e-4",  # Adam moves every parameter by about lr per step: 5e-4 in 5 steps
+            f"train.cpu_gemm={cpu_gemm}",
         ],
     )
 
@@ -112,9 +117,10 @@ def tp_check(kinds: list[str]) -> dict[str, Any]:
     ctx = None
     # "+dropout": residual dropout 0.1, applied to activations every TP rank holds whole. The ranks
     # share one RNG stream, so they draw the same masks, which are also the single process's masks.
-    for name in [*kinds, "sinusoidal+dropout"]:
+    for name in [*kinds, "sinusoidal+dropout", "sinusoidal+onednn"]:
         kind = name.split("+")[0]
-        cfg = config(kind, dropout=0.1 if name.endswith("+dropout") else 0.0)
+        gemm = "onednn" if name.endswith("+onednn") else "auto"
+        cfg = config(kind, dropout=0.1 if name.endswith("+dropout") else 0.0, cpu_gemm=gemm)
         layout = resolve_layout(cfg)
         ctx = ctx or ParallelContext.from_env(layout.tp_size, deepspeed=True)
         b = batch(1)
@@ -126,6 +132,8 @@ def tp_check(kinds: list[str]) -> dict[str, Any]:
         torch.manual_seed(1)
         ref = train_step(plain, [b], cfg, ParallelContext.fake(), cast=False)
         out[name] = {
+            "onednn_nodes": onednn_nodes(sharded, b),
+            "ref_onednn_nodes": onednn_nodes(plain, b),
             "memory": memory(sharded, ctx, layout),
             "ref_memory": memory(plain, ParallelContext.fake(), None),
             "tp_size": ctx.tp_size,
@@ -142,12 +150,26 @@ def tp_check(kinds: list[str]) -> dict[str, Any]:
     return out
 
 
-def zero_check(steps: int) -> dict[str, Any]:
-    cfg = config("t5")
+def onednn_nodes(engine: Engine, b: Batch) -> int:
+    """How many products of a forward pass ran through oneDNN's training linear (autograd nodes
+    ``_CpuLinearBackward`` in the graph of the logits): which kernels the engine's layers take, on
+    the parameters DeepSpeed gathered."""
+    logits = engine.forward(b.src.to(engine.ctx.device), b.tgt_in.to(engine.ctx.device))
+    seen, todo = set(), [logits.grad_fn]
+    while todo:
+        node = todo.pop()
+        if node is not None and node not in seen:
+            seen.add(node)
+            todo.extend(n for n, _ in node.next_functions)
+    return sum(type(n).__name__ == "_CpuLinearBackward" for n in seen)
+
+
+def zero_check(steps: int, cpu_gemm: str = "auto") -> dict[str, Any]:
+    cfg = config("t5", cpu_gemm=cpu_gemm)
     layout = resolve_layout(cfg)
     ctx = ParallelContext.from_env(layout.tp_size, deepspeed=True)
     sharded = engine_for(cfg, ctx, deepspeed_config(cfg, layout))
-    cfg2 = config("t5", accumulate=ctx.dp_size)
+    cfg2 = config("t5", accumulate=ctx.dp_size, cpu_gemm=cpu_gemm)
     plain = engine_for(cfg2, ParallelContext.fake(), None)
     rows = []
     for step in range(steps):
@@ -165,6 +187,7 @@ def zero_check(steps: int) -> dict[str, Any]:
             }
         )
     return {
+        "onednn_nodes": onednn_nodes(sharded, halves[ctx.dp_rank]),
         "dp_size": ctx.dp_size,
         "zero_stage": layout.zero_stage,
         "steps": rows,
@@ -186,7 +209,7 @@ def model_state(cfg: Config) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     mode, path = sys.argv[1], sys.argv[2]
-    result = tp_check(sys.argv[3:]) if mode == "tp" else zero_check(int(sys.argv[3]))
+    result = tp_check(sys.argv[3:]) if mode == "tp" else zero_check(int(sys.argv[3]), *sys.argv[4:5])
     if torch.distributed.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)

@@ -49,6 +49,10 @@ def zero_launch_file(tmp_path: Path, stage: int, offload: bool = False, tp: int 
     return out
 
 
+#: Linear layers of the harness's 2 + 2-layer model: 6 per encoder layer, 10 per decoder layer, output.
+LINEARS = 2 * 6 + 2 * 10 + 1
+
+
 def relative(a: float, b: float) -> float:
     return abs(a - b) / max(abs(b), 1e-12)
 
@@ -58,7 +62,7 @@ def test_tensor_parallel_2_equals_1_for_every_encoding(tmp_path: Path) -> None:
     kinds = POSITIONS.names()
     launch(ROOT / "configs/accelerate/cpu_tp2.yaml", [str(HARNESS), "tp", str(out), *kinds], tmp_path)
     result = json.loads(out.read_text())
-    assert sorted(result) == sorted([*kinds, "sinusoidal+dropout"])
+    assert sorted(result) == sorted([*kinds, "sinusoidal+dropout", "sinusoidal+onednn"])
     for kind, r in result.items():
         assert r["tp_size"] == 2
         assert relative(r["loss"], r["ref_loss"]) < 1e-5, (kind, r)
@@ -67,6 +71,12 @@ def test_tensor_parallel_2_equals_1_for_every_encoding(tmp_path: Path) -> None:
     # With dropout the loss differs from the dropout-free run, yet TP=2 still equals one process:
     # the dropout masks on replicated activations agree across the tensor-parallel ranks.
     assert relative(result["sinusoidal+dropout"]["loss"], result["sinusoidal"]["loss"]) > 1e-3
+    # train.cpu_gemm=onednn: the training GEMMs through oneDNN (the output layer's on the sharded side,
+    # whose projections are AutoTP's own modules; every linear layer in the single process) change
+    # nothing beyond rounding.
+    onednn = result["sinusoidal+onednn"]
+    assert (onednn["onednn_nodes"], onednn["ref_onednn_nodes"]) == (1, LINEARS)
+    assert result["sinusoidal"]["onednn_nodes"] == result["sinusoidal"]["ref_onednn_nodes"] == 0  # auto
     # Each rank holds only its heads' T5 columns and half the learned table's rows ...
     assert result["t5"]["position_params"]["encoder.positions.0.table.weight"] == [8, 2]
     assert result["learned"]["position_params"]["encoder.positions.0.table.weight"] == [32, 32]
@@ -82,18 +92,28 @@ def test_tensor_parallel_with_zero3(tmp_path: Path) -> None:
     """AutoTP with ZeRO-3 (which DeepSpeed accepts): still exact, position shards included."""
     out = tmp_path / "tp.json"
     launch(zero_launch_file(tmp_path, 3, tp=2), [str(HARNESS), "tp", str(out), "t5", "learned"], tmp_path)
-    for kind, r in json.loads(out.read_text()).items():
+    result = json.loads(out.read_text())
+    assert result["sinusoidal+onednn"]["onednn_nodes"] == 1  # the output layer, its weight gathered
+    for kind, r in result.items():
         assert relative(r["loss"], r["ref_loss"]) < 1e-5, (kind, r)
         assert relative(r["grad_norm"], r["ref_grad_norm"]) < 1e-5, (kind, r)
         assert r["param_diff"] < 1e-5, (kind, r["worst"])
 
 
-@pytest.mark.parametrize(("stage", "offload"), [(0, False), (1, False), (2, False), (3, False), (3, True)])
-def test_zero_with_two_ranks_follows_one_process(tmp_path: Path, stage: int, offload: bool) -> None:
+@pytest.mark.parametrize(
+    ("stage", "offload", "cpu_gemm"),
+    [(0, False, "auto"), (1, False, "auto"), (2, False, "auto"), (3, False, "onednn"), (3, True, "auto")],
+)
+def test_zero_with_two_ranks_follows_one_process(
+    tmp_path: Path, stage: int, offload: bool, cpu_gemm: str
+) -> None:
+    """ZeRO-3 runs its linear layers through oneDNN (train.cpu_gemm=onednn) on the gathered weights."""
     out = tmp_path / "zero.json"
-    launch(zero_launch_file(tmp_path, stage, offload), [str(HARNESS), "zero", str(out), "5"], tmp_path)
+    args = [str(HARNESS), "zero", str(out), "5", cpu_gemm]
+    launch(zero_launch_file(tmp_path, stage, offload), args, tmp_path)
     result = json.loads(out.read_text())
     assert (result["zero_stage"], result["dp_size"]) == (stage, 2)
+    assert result["onednn_nodes"] == (LINEARS if cpu_gemm == "onednn" else 0)
     assert result["memory"]["offloaded"] is offload
     # The parameters really move (about lr = 1e-4 a step), so the comparison can fail.
     assert result["steps"][-1]["moved"] > 40 * 1e-5

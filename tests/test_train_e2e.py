@@ -67,6 +67,7 @@ def test_tensorboard_events_read_back(run_dir: Path) -> None:
         "train/lr",
         "train/grad_norm",
         "train/tokens_per_s",
+        "train/mfu",
         "valid/nll",
         "valid/bleu",
         "test/bleu",
@@ -77,6 +78,9 @@ def test_tensorboard_events_read_back(run_dir: Path) -> None:
     assert [e.step for e in events.Scalars("valid/nll")] == [3, 6]
     lrs = [e.value for e in events.Scalars("train/lr")]
     assert lrs == sorted(lrs) and lrs[0] > 0  # still warming up
+    # model FLOP/s over the GEMM peak measured at start-up: a fraction, never above one
+    mfu = [e.value for e in events.Scalars("train/mfu")]
+    assert len(mfu) == 3 and all(0 < m <= 1 for m in mfu), mfu
 
 
 def test_tpe_eval_json(run_dir: Path) -> None:

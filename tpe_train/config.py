@@ -307,6 +307,13 @@ class TrainConfig(Section):
     """fp16: the dynamic loss scale starts at 2**loss_scale_power."""
     threads: int = Field(0, ge=0)
     """torch intra-op threads (0: leave torch's default)."""
+    cpu_gemm: Literal["auto", "onednn", "default"] = "auto"
+    """Kernels of the linear layers' training GEMMs on a CPU (tpe_train/model/kernels.py): auto = oneDNN
+    for fp32 where it beats MKL (AVX-512 processors not made by Intel) and bf16 widened to fp32 where
+    the CPU has no bf16 kernels; onednn = fp32 always through oneDNN; default = PyTorch's kernels."""
+    peak_gflops: float = Field(0.0, ge=0.0)
+    """GEMM peak of one device in the training precision, GFLOP/s, that train/mfu is measured against;
+    0: measured at start-up (about a second; the best of PyTorch's, oneDNN's and widened kernels)."""
     log_every: int = Field(10, ge=1)
     """Steps between TensorBoard scalars."""
     valid_every: int = Field(500, ge=1)

@@ -13,7 +13,6 @@ import json
 import os
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +35,7 @@ from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report
 from tpe_train.parallel.plan import shard_positions
 from tpe_train.parallel.portable import full_weights
+from tpe_train.perf import Throughput, configure_cpu
 from tpe_train.step import inverse_sqrt, seed_everything, train_step, validate
 
 
@@ -123,6 +123,7 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
     seed_everything(cfg.train.seed)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
+    configure_cpu(cfg.train.cpu_gemm, ctx.device)  # training GEMM kernels, allocator
     run_dir, ckpt_root = cfg.run_dir(), cfg.run_dir() / "checkpoints"
     start = resume_point(cfg, ctx)
     if start is not None:
@@ -164,27 +165,25 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
 
     show = cfg.train.progress and ctx.is_main
     bar = tqdm(total=cfg.train.max_steps, initial=progress.step, disable=not show, dynamic_ncols=True)
-    window_tokens, window_start = 0.0, time.perf_counter()
+    meter = Throughput.of_run(cfg, data.tokenizer.get_vocab_size(), ctx)  # tokens/s, MFU
     for step in range(progress.step + 1, cfg.train.max_steps + 1):
         micro = [next(batches) for _ in range(cfg.train.accumulate)]
         stats = train_step(engine, micro, cfg, ctx, cast)
         progress.step, progress.tokens = step, progress.tokens + stats["tokens"]
-        window_tokens += stats["tokens"]
+        meter.step(micro, stats["tokens"])
         if samples is not None:
             samples.write(json.dumps({"step": step, "ids": [int(i) for b in micro for i in b.ids]}) + "\n")
             samples.flush()
         if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
-            elapsed = time.perf_counter() - window_start
             scalars = {
                 "train/loss": stats["loss"],
                 "train/nll": stats["nll"],
                 "train/lr": engine.lr(),
                 "train/grad_norm": stats["grad_norm"],
-                "train/tokens_per_s": window_tokens / max(elapsed, 1e-9),
+                **meter.read(),
             }
             _log(writer, scalars, step)
             bar.set_postfix(loss=f"{scalars['train/loss']:.3f}", lr=f"{scalars['train/lr']:.2e}")
-            window_tokens, window_start = 0.0, time.perf_counter()
         if step % cfg.train.valid_every == 0 or step == cfg.train.max_steps:
             _log(writer, validate(engine, data, cfg, ctx, cast), step)
         preempted = ctx.any(signals.received is not None)

@@ -1,15 +1,33 @@
-"""Inference kernels chosen by device: linear layers whose weights are packed for oneDNN.
+"""Linear layers whose kernels are chosen by device: oneDNN for CPU inference and training, bf16 widened.
 
-On x86 CPUs PyTorch sends fp32 ``F.linear`` to MKL's sgemm, which on AMD processors runs well below
-the machine's peak; oneDNN (bundled with PyTorch; the path PyTorch's compiler takes for frozen CPU
-weights) computes the same products faster once a weight is reordered into its blocked layout
-(measured on this 2-core EPYC, one thread, median speed-up: 1.2x at 256x256 @ 256x256, 1.5x at
-256x1024 @ 1024x256, 1.3-1.6x for the 8,000-word output projection). Packing costs one pass over the
-weight, so it pays where a weight serves many products with unchanged values: inference, above all the
-steps of a decoding. Packing happens only inside ``packed_inference()`` (greedy and beam search
-enter it): there the weights cannot change, and the packed copies are dropped when it ends. Anywhere
-else, and for autograd, autocast, other dtypes and devices, or a PyTorch without oneDNN, plain
-``F.linear`` is used.
+On x86 CPUs PyTorch sends fp32 ``F.linear`` to MKL's sgemm. MKL runs its AVX-512 kernels only on
+Intel processors; oneDNN (bundled with PyTorch; the path PyTorch's compiler takes for frozen CPU
+weights) runs them on any. On the AVX-512 AMD EPYC this project was first measured on, oneDNN computed
+the same products 1.2-1.7x faster; on an AVX2-only EPYC both run AVX2 kernels and MKL was as fast or
+faster on every product (one thread, CPU time; ``benchmarks/bench_train.py`` prints the comparison
+for the machine it runs on).
+
+Inference: packing a weight into oneDNN's blocked layout costs one pass over it, so it pays where a
+weight serves many products with unchanged values, above all the steps of a decoding. Packing happens
+only inside ``packed_inference()`` (greedy and beam search enter it), where oneDNN is chosen (the
+rule below): there the weights cannot change, and the packed copies are dropped when it ends. Self-
+attention's q, k and v are one product there whichever library computes it.
+
+Training (``train.cpu_gemm``, set once per process with ``set_cpu_gemm``): on a CPU the three products
+of a linear layer -- the forward x W^T, the input gradient g W and the weight gradient g^T x -- run in
+``_CpuLinear`` where a rule on the processor (``cpu_rules``) says PyTorch's own kernels are slower:
+
+- fp32 through oneDNN where it beats MKL. Nothing is packed: the weights change every step, and a
+  packed copy made per step measured no faster than oneDNN's plain call;
+- bf16 autocast widened to fp32 where oneDNN has no bf16 kernels (no AVX-512): PyTorch then multiplies
+  bf16 matrices with a scalar fallback (2-30 GFLOP/s against about 80 in fp32 per core here, and far
+  slower for some transpositions); rounding the operands to bf16 and multiplying in fp32 gives the
+  products of a bf16 GEMM with fp32 accumulation at the fp32 rate.
+
+A rule, not a timing: every process of a run (and a resumed run) makes the same choice and computes
+the same bits. ``auto`` follows the rules, ``onednn`` forces oneDNN for fp32 products, ``default``
+keeps PyTorch's kernels. GPUs, other dtypes, small products and ``torch.compile`` (which traces
+``F.linear``) always take ``F.linear``.
 """
 
 from __future__ import annotations
@@ -17,6 +35,7 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -57,9 +76,16 @@ def packed_inference() -> Iterator[None]:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear(x, weight, bias)``; inside ``packed_inference`` on a CPU in fp32, through oneDNN with
-    the weight packed on first use."""
+    """``F.linear(x, weight, bias)``; on a CPU, inside ``packed_inference`` in fp32 through oneDNN with
+    the weight packed on first use where oneDNN is chosen (``onednn_chosen``), elsewhere through
+    ``_CpuLinear`` where ``train.cpu_gemm`` and the processor's rules choose other kernels than
+    PyTorch's (``_cpu_plan``)."""
     if not _packable(x, weight):
+        plan = _cpu_plan(x, weight)
+        if plan is not None:
+            return _CpuLinear.apply(x, weight, bias, *plan)
+        return F.linear(x, weight, bias)
+    if not (_ONEDNN and onednn_chosen()):
         return F.linear(x, weight, bias)
     entry = _SCOPE.packed.get(id(weight))
     if entry is None or entry[0] is not weight:
@@ -69,9 +95,10 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def linears(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
-    """``[layer(x) for layer in layers]``; inside ``packed_inference``, when they are all ``Linear``,
-    one product with their weights stacked and packed once (self-attention's q, k, v: one GEMM of
-    width 3 d instead of three of width d), its outputs returned as column views."""
+    """``[layer(x) for layer in layers]``; inside ``packed_inference`` on a CPU, when they are all
+    ``Linear``, one product with their weights stacked once (self-attention's q, k, v: one GEMM of
+    width 3 d instead of three of width d; packed where oneDNN is chosen), its outputs returned as
+    column views."""
     plain = [layer for layer in layers if isinstance(layer, Linear)]
     if len(plain) != len(layers) or not _packable(x, plain[0].weight):
         return [layer(x) for layer in layers]
@@ -91,9 +118,9 @@ def linears(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
 
 
 def _packable(x: Tensor, weight: Tensor) -> bool:
+    """Inside ``packed_inference``, on a CPU, in fp32: weights that cannot change, packed or stacked."""
     return (
         _SCOPE.depth > 0
-        and _ONEDNN
         and not torch.is_grad_enabled()
         and x.device.type == "cpu"
         and x.dtype == torch.float32
@@ -104,8 +131,153 @@ def _packable(x: Tensor, weight: Tensor) -> bool:
     )
 
 
+#: ``train.cpu_gemm`` values: ``auto`` (each rule below where it holds), ``onednn`` (fp32 products of
+#: any size always through oneDNN; bf16 as auto), ``default`` (PyTorch's own kernels for everything).
+CPU_GEMM_MODES = ("auto", "onednn", "default")
+
+#: Under ``auto``, products smaller than this many multiply-adds stay with ``F.linear``: the extra
+#: setup of a oneDNN call or of widening only pays on large products.
+_MIN_MACS = 1 << 20
+
+
+class _Gemm:
+    mode = "auto"  # process-wide, as torch.backends flags are: set once from the config at start-up
+    rules: tuple[bool, bool] | None = None  # (onednn_faster, bf16_widens) for this processor
+
+
+_GEMM = _Gemm()
+
+
+def set_cpu_gemm(mode: str) -> None:
+    """Choose the kernels of training GEMMs on the CPU for this process (``CPU_GEMM_MODES``)."""
+    if mode not in CPU_GEMM_MODES:
+        raise ValueError(f"cpu_gemm must be one of {CPU_GEMM_MODES}, not {mode!r}")
+    _GEMM.mode = mode
+
+
+def cpu_rules() -> tuple[bool, bool]:
+    """This processor's answers, computed once: (oneDNN beats PyTorch's default fp32 GEMM, bf16
+    products are faster widened to fp32).
+
+    - oneDNN over MKL in fp32: on processors with AVX-512 that are not Intel's (MKL runs its AVX-512
+      kernels only on Intel processors); elsewhere both run the same instruction set.
+    - bf16 widened: where oneDNN has no bf16 kernels (no AVX-512: ``_is_mkldnn_bf16_supported``),
+      PyTorch multiplies bf16 matrices with a scalar fallback, 10-100x slower than fp32 here.
+    """
+    if _GEMM.rules is None:
+        avx512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+        _GEMM.rules = (
+            _ONEDNN and avx512 and _cpu_vendor() not in ("GenuineIntel", ""),
+            _ONEDNN and not torch.ops.mkldnn._is_mkldnn_bf16_supported(),
+        )
+    return _GEMM.rules
+
+
+def onednn_chosen() -> bool:
+    """Whether fp32 products on this CPU go to oneDNN: ``train.cpu_gemm=onednn``, or ``auto`` where
+    the rule says oneDNN is faster."""
+    return _GEMM.mode == "onednn" or (_GEMM.mode == "auto" and cpu_rules()[0])
+
+
+def _cpu_vendor() -> str:
+    """``vendor_id`` of /proc/cpuinfo (Linux); empty where unknown."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def _cpu_plan(x: Tensor, weight: Tensor) -> tuple[bool, bool] | None:
+    """(through oneDNN, widened from bf16) for ``linear`` on these operands; None: ``F.linear``."""
+    forced = _GEMM.mode == "onednn"
+    if (
+        _GEMM.mode == "default"
+        or x.device.type != "cpu"
+        or weight.dim() != 2
+        or x.dim() < 2
+        or (x.numel() * weight.shape[0] < _MIN_MACS and not forced)
+        or torch.compiler.is_compiling()
+    ):
+        return None
+    onednn, widens = _ONEDNN and onednn_chosen(), cpu_rules()[1]
+    if torch.is_autocast_enabled("cpu"):  # autocast rounds x and the fp32 weight to its dtype
+        bf16 = torch.get_autocast_dtype("cpu") == torch.bfloat16 and weight.dtype == torch.float32
+        return (onednn, True) if widens and bf16 and x.dtype in _WIDENABLE else None
+    if x.dtype == weight.dtype == torch.bfloat16:  # bf16 weights (DeepSpeed's bf16)
+        return (onednn, True) if widens else None
+    return (True, False) if onednn and x.dtype == weight.dtype == torch.float32 else None
+
+
+_WIDENABLE = (torch.float32, torch.bfloat16)
+
+
+def _mm_t(a: Tensor, b: Tensor, onednn: bool) -> Tensor:
+    """a @ b^T; a: (M, K), b: (N, K), either may be strided; oneDNN's inner product or MKL's GEMM."""
+    if onednn:
+        return torch.ops.mkldnn._linear_pointwise(a, b, None, "none", [], "")
+    return torch.mm(a, b.t())
+
+
+class _CpuLinear(torch.autograd.Function):
+    """``F.linear`` with chosen kernels for the forward and both backward products.
+
+    ``onednn``: every product through oneDNN, else MKL's. ``widen`` (bf16 autocast, or bf16 weights):
+    the operands are rounded to bf16 as autocast rounds them, then multiplied in fp32 -- the same
+    products as a bf16 GEMM with fp32 accumulation (a product of two bf16 numbers is exact in fp32) --
+    and the output rounded to bf16; the gradients of fp32 weights and biases stay fp32 (autocast would
+    round them to bf16 first), those of bf16 ones are rounded. Only bf16 copies of the input are kept
+    for the backward. The weight is read as it is at each call and saved as the parameter itself, so
+    that under ZeRO-3 the backward reads the re-gathered weight, as DeepSpeed's own linear does."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, x: Tensor, weight: Tensor, bias: Tensor | None, onednn: bool, widen: bool
+    ) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])  # (M, K)
+        with torch.autocast("cpu", enabled=False):
+            if widen:
+                x2 = x2.to(torch.bfloat16)
+                w, b = _widened(weight), _widened(bias) if bias is not None else None
+                out = _mm_t(x2.float(), w, onednn)
+                out = (out if b is None else out.add_(b)).to(torch.bfloat16)
+            elif onednn:
+                out = torch.ops.mkldnn._linear_pointwise(x2, weight, bias, "none", [], "")
+            else:
+                out = F.linear(x2, weight, bias)
+        ctx.save_for_backward(x2, weight)
+        ctx.x_shape, ctx.x_dtype, ctx.has_bias = x.shape, x.dtype, bias is not None
+        ctx.onednn, ctx.widen = onednn, widen
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor | None, ...]:
+        x2, weight = ctx.saved_tensors
+        g2 = grad.reshape(-1, grad.shape[-1])  # (M, N)
+        g2 = g2.float() if ctx.widen else g2.contiguous()
+        w = _widened(weight) if ctx.widen else weight
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_x = _mm_t(g2, w.t(), ctx.onednn).to(ctx.x_dtype).view(ctx.x_shape)  # g W: (M, K)
+        if ctx.needs_input_grad[1]:
+            x = x2.float() if ctx.widen else x2
+            grad_w = _mm_t(g2.t(), x.t(), ctx.onednn).to(weight.dtype)  # g^T x: (N, K)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.sum(0).to(weight.dtype)
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _widened(t: Tensor) -> Tensor:
+    """``t`` rounded to bf16 (as autocast rounds a weight), back in fp32."""
+    return t.detach().to(torch.bfloat16).float()
+
+
 class Linear(nn.Linear):
-    """``nn.Linear`` that takes ``linear`` (oneDNN with a packed weight inside ``packed_inference``)."""
+    """``nn.Linear`` that takes ``linear`` (oneDNN with a packed weight inside ``packed_inference``,
+    oneDNN for training GEMMs where ``train.cpu_gemm`` chooses it)."""
 
     def forward(self, x: Tensor) -> Tensor:
         return linear(x, self.weight, self.bias)
