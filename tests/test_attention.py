@@ -15,7 +15,7 @@ import tpe_train.model.attention as attention
 from tpe_train.model.attention import choose_backend
 from tpe_train.model.generate import beam_search
 from tpe_train.model.transformer import Transformer
-from tpe_train.positions import PositionArgs, build_position
+from tpe_train.positions import PositionArgs, PositionEncoding, build_position
 
 VARIANTS = [*KINDS, "shaw+values"]
 
@@ -97,6 +97,21 @@ def test_flex_score_mod_of_a_tensor_parallel_rank_uses_its_global_heads(kind: st
         whole = attention._flex(q, k, v, full.score_mod(q, pos, pos), None)
         mine = attention._flex(q[:, 2:], k[:, 2:], v[:, 2:], part.score_mod(q[:, 2:], pos, pos), None)
     torch.testing.assert_close(mine, whole[:, 2:], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["t5", "alibi", "shaw"])
+def test_score_mods_equal_the_dense_bias(kind: str) -> None:
+    """Each encoding's own score_mod (a lookup), the base class's score_mod derived from attn_bias,
+    and the dense bias added to the scores give the same attention."""
+    enc = build_position(kind, PositionArgs(d_model=32, n_heads=4, causal=True, shaw_clip=2))
+    q, k, v = (torch.randn(2, 4, 5, 8) for _ in range(3))
+    q_pos, k_pos = torch.arange(3, 8), torch.arange(0, 5) + 3
+    with torch.no_grad():
+        dense = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5 + enc.attn_bias(q, q_pos, k_pos), dim=-1) @ v
+        own = attention._flex(q, k, v, enc.score_mod(q, q_pos, k_pos), None)
+        derived = attention._flex(q, k, v, PositionEncoding.score_mod(enc, q, q_pos, k_pos), None)
+    torch.testing.assert_close(own, dense, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(derived, dense, atol=1e-6, rtol=1e-6)
 
 
 def test_auto_never_takes_flex_for_a_cpu_training_step() -> None:

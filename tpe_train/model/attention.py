@@ -364,9 +364,11 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float, is_cau
     lengths (forward + backward, (128, 4, 37, 64): 60 ms against 22 ms), which alone ate bf16's gain,
     and slightly slower in fp32 too (24 against 21 ms). For the few queries of an incremental decoding
     step (one token, or the beams of a sentence against its memory) even that costs more than the
-    work: plain matmuls are used there. On a GPU every call goes to SDPA's own choice of kernel.
+    work: plain matmuls are used there (only without gradients, so that a compiled training step
+    never specialises on the length). On a GPU every call goes to SDPA's own choice of kernel.
     """
-    if q.device.type == "cpu" and q.shape[2] <= 8 and p == 0.0 and not is_causal:
+    small = not torch.is_grad_enabled() and q.shape[2] <= 8  # decoding (training: no length branch)
+    if q.device.type == "cpu" and small and p == 0.0 and not is_causal:
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)  # (B, H, Lq, Lk)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask

@@ -148,8 +148,10 @@ class Stack(nn.Module):
 
     def compile_layers(self, **options: Any) -> None:
         """Compile each layer's training forward (and so its backward) with ``torch.compile``
-        (regional compilation: the layers of a stack share their compiled code). Evaluation and
-        decoding keep the eager layers (their shapes change at every step)."""
+        (regional compilation: the layers of a stack share their compiled code). Shapes are dynamic
+        from the start: token-bucket batches change batch size and length at every step, and static
+        shapes would compile twice before settling. Evaluation and decoding keep the eager layers."""
+        options = {"dynamic": True, **options}
         self.__dict__["_compiled"] = [torch.compile(layer, **options) for layer in self.layers]
 
 
