@@ -132,5 +132,5 @@ def test_flex_training_on_the_cpu_is_a_clear_error() -> None:
     model = tiny_model("t5", attention="flex")
     model.train()
     src, tgt = batch()
-    with pytest.raises(RuntimeError, match="cannot train on the CPU.*model.attention=auto or sdpa"):
+    with pytest.raises(RuntimeError, match=r"cannot train on the CPU.*model.attention=auto or sdpa"):
         model(src, tgt)
