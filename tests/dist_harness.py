@@ -1,16 +1,21 @@
 """Run under ``accelerate launch`` by tests/test_distributed.py: real engines, real process groups.
 
     accelerate launch --config_file X.yaml tests/dist_harness.py tp OUT.json [kinds...]
-    accelerate launch --config_file X.yaml tests/dist_harness.py zero OUT.json STEPS [CPU_GEMM]
+    accelerate launch --config_file X.yaml tests/dist_harness.py tp-flex OUT.json [kinds...]
+    accelerate launch --config_file X.yaml tests/dist_harness.py zero OUT.json STEPS [CPU_GEMM] [compile]
 
 ``tp``: for each encoding, one training step of the tensor-parallel engine the launch file describes,
 and the same step of one plain process on the same batch; records both losses and gradient norms
 and the largest difference of the consolidated parameters after the step ("sinusoidal+onednn": with
 ``train.cpu_gemm=onednn`` on both sides; ``onednn_nodes`` counts the products that took oneDNN).
+``tp-flex``: for each encoding, the validation loss (forward only: FlexAttention has no CPU backward)
+of the tensor-parallel engine with ``model.attention=flex``, and of one plain process with
+``explicit`` attention on the same batch.
 ``zero``: STEPS steps where each of the data-parallel ranks takes its half of a fixed global batch;
 the reference is one plain process taking the whole global batch (as two accumulated halves);
 records losses, gradient norms and the largest parameter difference after every step; CPU_GEMM:
-``train.cpu_gemm`` of both (default auto).
+``train.cpu_gemm`` of both (default auto). With ``compile``, the ranks' layers are compiled
+(``train.compile``); the reference stays eager.
 Rank 0 writes the figures to OUT.json; the test asserts on them.
 """
 
@@ -31,12 +36,14 @@ from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report, optimizer_state_bytes
 from tpe_train.parallel.plan import shard_positions
 from tpe_train.parallel.portable import full_weights
-from tpe_train.step import train_step
+from tpe_train.step import batch_loss, train_step
 
 VOCAB = 64
 
 
-def config(kind: str, accumulate: int = 1, dropout: float = 0.0, cpu_gemm: str = "auto") -> Config:
+def config(
+    kind: str, accumulate: int = 1, dropout: float = 0.0, cpu_gemm: str = "auto", extra: tuple[str, ...] = ()
+) -> Config:
     set_cpu_gemm(cpu_gemm)  # as the trainer does at start-up (process-wide)
     return load_config(
         "demo",
@@ -59,6 +66,7 @@ def config(kind: str, accumulate: int = 1, dropout: float = 0.0, cpu_gemm: str =
             "train.label_smoothing=0.1",
             "train.lr=1e-4",  # Adam moves every parameter by about lr per step: 5e-4 in 5 steps
             f"train.cpu_gemm={cpu_gemm}",
+            *extra,
         ],
     )
 
@@ -92,6 +100,8 @@ def engine_for(cfg: Config, ctx: ParallelContext, ds: dict[str, Any] | None) -> 
     model = model_for(cfg)
     shard_positions(model, ctx)
     model.train()
+    if cfg.train.compile:
+        model.compile_layers()
     # eps 1e-6, not the paper's 1e-9: some gradients are zero in exact arithmetic (key biases:
     # softmax ignores a constant added to every logit) and are rounding noise of ~1e-10 whose sign
     # depends on the summation order; Adam with eps 1e-9 turns that noise into full +-lr steps.
@@ -164,11 +174,32 @@ def onednn_nodes(engine: Engine, b: Batch) -> int:
     return sum(type(n).__name__ == "_CpuLinearBackward" for n in seen)
 
 
-def zero_check(steps: int, cpu_gemm: str = "auto") -> dict[str, Any]:
-    cfg = config("t5", cpu_gemm=cpu_gemm)
+def tp_flex_check(kinds: list[str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    ctx = None
+    for kind in kinds:
+        # Shaw's keys through flex (its relative values would take the explicit path)
+        cfg = config(kind, extra=("model.position.shaw_values=false", "model.attention=flex"))
+        # the layout of the same run without flex (resolve_layout refuses flex for CPU *training*)
+        layout = resolve_layout(config(kind, extra=("model.position.shaw_values=false",)))
+        ctx = ctx or ParallelContext.from_env(layout.tp_size, deepspeed=True)
+        b = batch(3)
+        sharded = engine_for(cfg, ctx, deepspeed_config(cfg, layout))
+        ref_cfg = config(kind, extra=("model.position.shaw_values=false", "model.attention=explicit"))
+        plain = engine_for(ref_cfg, ParallelContext.fake(), None)
+        with torch.no_grad():
+            _, nll, ntok = batch_loss(sharded.forward, b, cfg, cast=False)
+            _, ref_nll, _ = batch_loss(plain.forward, b, ref_cfg, cast=False)
+        out[kind] = {"tp_size": ctx.tp_size, "nll": float(nll) / ntok, "ref_nll": float(ref_nll) / ntok}
+    return out
+
+
+def zero_check(steps: int, cpu_gemm: str = "auto", compiled: bool = False) -> dict[str, Any]:
+    cfg = config("t5", cpu_gemm=cpu_gemm, extra=("train.compile=true",) if compiled else ())
     layout = resolve_layout(cfg)
-    ctx = ParallelContext.from_env(layout.tp_size, deepspeed=True)
-    sharded = engine_for(cfg, ctx, deepspeed_config(cfg, layout))
+    ctx = ParallelContext.from_env(layout.tp_size, deepspeed=layout.deepspeed is not None)
+    ds = deepspeed_config(cfg, layout) if layout.deepspeed is not None else None
+    sharded = engine_for(cfg, ctx, ds)
     cfg2 = config("t5", accumulate=ctx.dp_size, cpu_gemm=cpu_gemm)
     plain = engine_for(cfg2, ParallelContext.fake(), None)
     rows = []
@@ -189,6 +220,7 @@ def zero_check(steps: int, cpu_gemm: str = "auto") -> dict[str, Any]:
     return {
         "onednn_nodes": onednn_nodes(sharded, halves[ctx.dp_rank]),
         "dp_size": ctx.dp_size,
+        "compiled": compiled,
         "zero_stage": layout.zero_stage,
         "steps": rows,
         "memory": memory(sharded, ctx, layout),
@@ -209,7 +241,14 @@ def model_state(cfg: Config) -> dict[str, torch.Tensor]:
 
 def main() -> None:
     mode, path = sys.argv[1], sys.argv[2]
-    result = tp_check(sys.argv[3:]) if mode == "tp" else zero_check(int(sys.argv[3]), *sys.argv[4:5])
+    if mode == "tp":
+        result = tp_check(sys.argv[3:])
+    elif mode == "tp-flex":
+        result = tp_flex_check(sys.argv[3:])
+    else:
+        rest = sys.argv[4:]
+        gemm = next((a for a in rest if a != "compile"), "auto")
+        result = zero_check(int(sys.argv[3]), gemm, compiled="compile" in rest)
     if torch.distributed.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)

@@ -63,6 +63,11 @@ ERRORS = [
         "train.save_every=0 saves only at the end; set train.save_every",
     ),
     (["eval.average_last=6", "train.keep_last=5"], "raise train.keep_last to at least 6"),
+    (["model.attention=fused"], "model.attention: Input should be 'auto', 'flex', 'sdpa' or 'explicit'"),
+    (
+        ["model.attention=flex", "model.attention_dropout=0.1"],
+        "model.attention=flex has no dropout on the attention weights",
+    ),
 ]
 
 

@@ -147,6 +147,14 @@ def test_a_setting_with_two_owners_is_refused(
             "set one",
         ),
         (["train.fp16=true"], {"zero_optimization": {"stage": 2}}, 2, "train.fp16 needs DeepSpeed on GPUs"),
+        (["model.attention=flex"], None, 1, "model.attention=flex cannot train on the CPU"),
+        (["train.compile=true"], {"zero_optimization": {"stage": 3}}, 2, "train.compile=true .* ZeRO-3"),
+        (
+            ["train.compile=true"],
+            {"zero_optimization": {"stage": 1}, "tensor_parallel": {"autotp_size": 2}},
+            2,
+            r"train.compile=true .* tensor parallelism \(size 2\)",
+        ),
     ],
 )
 def test_impossible_layouts_are_refused(

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import copy
 import math
+from dataclasses import replace
 
 import pytest
 import torch
+from conftest import tiny_model
 
 from tpe_train.positions import POSITIONS, PositionArgs, build_position
 from tpe_train.positions.absolute import sinusoid_table
@@ -102,6 +104,24 @@ def test_relative_biases_depend_only_on_distance(kind: str, causal: bool) -> Non
     assert not torch.allclose(base, torch.zeros_like(base))
 
 
+def test_rope_matches_the_rotary_formula_at_offset_positions() -> None:
+    """Golden values from the formula itself (Su et al. 2021), in the half-split layout: dimension
+    i < hd/2 pairs with i + hd/2, rotated by the angle pos * base^(-2i/hd)."""
+    base, hd = 500.0, 8
+    enc = build_position("rope", PositionArgs(d_model=16, n_heads=2, causal=False, rope_base=base))
+    q, k = torch.randn(1, 2, 3, hd, dtype=torch.float64), torch.randn(1, 2, 4, hd, dtype=torch.float64)
+    q_pos, k_pos = torch.tensor([37, 38, 39]), torch.tensor([0, 5, 38, 1000])  # offsets, a far key
+    rq, rk = enc.rotate(q, k, q_pos, k_pos)
+    for x, rx, pos in ((q, rq, q_pos), (k, rk, k_pos)):
+        for t, p in enumerate(pos.tolist()):
+            for i in range(hd // 2):
+                angle = p * base ** (-2 * i / hd)
+                c, s = math.cos(angle), math.sin(angle)
+                a, b = x[0, 1, t, i].item(), x[0, 1, t, i + hd // 2].item()
+                assert rx[0, 1, t, i].item() == pytest.approx(a * c - b * s, abs=1e-6)
+                assert rx[0, 1, t, i + hd // 2].item() == pytest.approx(b * c + a * s, abs=1e-6)
+
+
 def test_rope_scores_depend_only_on_distance() -> None:
     enc = build_position("rope", args())
     q, k = torch.randn(1, 4, 6, 8), torch.randn(1, 4, 6, 8)
@@ -129,9 +149,16 @@ def test_head_slices_union_equals_full_bias(kind: str) -> None:
 
 
 def test_learned_longer_input_is_a_clear_error() -> None:
-    enc = build_position("learned", args(max_positions=8))
-    with pytest.raises(ValueError, match="max_positions=8"):
-        enc.embed(torch.zeros(1, 9, 32), torch.arange(9))
+    # The model refuses it from the shape, before any lookup (the encoding never reads a position
+    # back from the device).
+    model = tiny_model("learned", position=replace(tiny_model("learned").args.position, max_positions=8))
+    with pytest.raises(ValueError, match=r"source sequence of 9 positions.*max_positions=8"):
+        model.encode(torch.ones(1, 9, dtype=torch.long))
+    memory = model.encode(torch.ones(1, 5, dtype=torch.long))
+    cache = model.new_cache()
+    model.decode(torch.ones(1, 8, dtype=torch.long), memory, cache)  # positions 0..7: fits
+    with pytest.raises(ValueError, match="target sequence of 9 positions"):
+        model.decode(torch.ones(1, 1, dtype=torch.long), memory, cache)
 
 
 def test_registry_lists_choices_on_a_typo() -> None:

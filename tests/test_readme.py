@@ -33,5 +33,9 @@ def test_readme_position_example_registers_and_decodes_incrementally() -> None:
         torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
         perm = torch.tensor([3, 1, 2, 0, 4, 5, 6])
         assert not torch.allclose(model.encode(src[:, perm]).states, memory.states[:, perm], atol=1e-4)
+        flex = tiny_model("linear_bias", attention="flex")  # its score_mod, against explicit attention
+        flex.load_state_dict(model.state_dict())
+        with torch.no_grad():
+            torch.testing.assert_close(flex.decode(tgt, flex.encode(src)), full, atol=1e-5, rtol=1e-5)
     finally:
         base.POSITIONS._entries.pop("linear_bias", None)

@@ -93,6 +93,12 @@ class ModelConfig(Section):
     """Dropout after the FFN activation."""
     pre_norm: bool = False
     """Pre-norm layers (LayerNorm before each sublayer) instead of the paper's post-norm."""
+    attention: Literal["auto", "flex", "sdpa", "explicit"] = "auto"
+    """Attention backend. auto: on a GPU flex for t5/alibi/shaw and sdpa otherwise, on the CPU sdpa.
+    flex: FlexAttention, the encoding's logit term as its score_mod and padding + causality as one
+    BlockMask per batch (no attention dropout; cannot train on the CPU). sdpa: PyTorch's fused SDPA
+    kernels (with t5/alibi/shaw a dense float mask). explicit: written-out softmax, the reference.
+    Shaw with shaw_values always takes explicit (it needs the weights)."""
     position: PositionConfig = Field(default_factory=PositionConfig)
     """Position encoding and its parameters."""
 
@@ -102,6 +108,12 @@ class ModelConfig(Section):
             raise ValueError(
                 f"model.d_model ({self.d_model}) is not divisible by model.n_heads ({self.n_heads}); "
                 "choose n_heads that divides d_model"
+            )
+        if self.attention == "flex" and self.attention_dropout > 0:
+            raise ValueError(
+                f"model.attention=flex has no dropout on the attention weights, but "
+                f"model.attention_dropout={self.attention_dropout}; set model.attention_dropout=0 or "
+                "choose model.attention=sdpa"
             )
         uses_rope = "rope" in (self.position.kind, self.position.cross)
         if uses_rope and (self.d_model // self.n_heads) % 2:
@@ -131,6 +143,7 @@ class ModelConfig(Section):
             encoder_position=p.kind if p.encoder else "none",
             decoder_position=p.kind if p.decoder else "none",
             cross_position=p.cross,
+            attention=self.attention,
             position=PositionArgs(
                 d_model=self.d_model,
                 n_heads=self.n_heads,
@@ -334,6 +347,10 @@ class TrainConfig(Section):
     one, and stop if a file fails its hash (strict); never: start from step 0; or a checkpoint path."""
     log_samples: bool = False
     """Write the pair ids of every training batch to <run_dir>/samples/rank-<r>.jsonl (audits resume)."""
+    compile: bool = False
+    """Compile every encoder and decoder layer's training forward and backward with torch.compile
+    (regional compilation); one process, DDP and DeepSpeed ZeRO-0/1/2, not ZeRO-3 or tensor
+    parallelism. Validation and decoding run the eager layers. The first steps pay the compilation."""
 
     @model_validator(mode="after")
     def _resume(self) -> TrainConfig:

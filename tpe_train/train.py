@@ -71,6 +71,8 @@ def build_engine(cfg: Config, data: Prepared, ctx: ParallelContext, layout: Layo
     model = build_model(cfg, data.tokenizer)
     shard_positions(model, ctx)
     model.to(ctx.device).train()
+    if cfg.train.compile:
+        model.compile_layers()
     if ctx.dp_size > 1:
         torch.manual_seed(cfg.train.seed + 7919 * ctx.dp_rank)  # dropout: one stream per data-parallel rank
     ds_config = deepspeed_config(cfg, layout) if layout.deepspeed is not None else None

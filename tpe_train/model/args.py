@@ -27,6 +27,7 @@ class ModelArgs:
     encoder_position: str = "sinusoidal"  # encoding of encoder self-attention
     decoder_position: str = "sinusoidal"  # encoding of decoder self-attention
     cross_position: str = "none"  # encoding of decoder-encoder attention
+    attention: str = "auto"  # attention backend: auto | flex | sdpa | explicit (model.attention)
     position: PositionArgs | None = None  # encoding parameters; d_model/n_heads filled in
 
     def position_args(self, causal: bool) -> PositionArgs:

@@ -1,18 +1,166 @@
-"""Multi-head attention through ``F.scaled_dot_product_attention``, calling the three position hooks.
+"""Multi-head attention behind one call, with three backends; it calls the three position hooks.
 
 The local head count is inferred with ``view(B, L, -1, head_dim)`` so that tensor parallelism can
-shard the projections from outside without this file knowing.
+shard the projections from outside without this file knowing. The position encoding's logit term
+reaches every backend through the hooks; attention never branches on an encoding's name.
+
+Backends (``model.attention``; ``choose_backend`` resolves ``auto`` per call):
+
+- ``flex``: ``flex_attention``, on a GPU compiled into one fused kernel (on the CPU unfused, see
+  ``_flex``). The encoding's term enters as its ``score_mod`` (a lookup by head, query index and
+  key index) and padding + causality as one ``BlockMask`` per batch and attention kind
+  (``Mask.block_mask``), built once and shared by every layer: the fused kernel never sees a dense
+  (B, H, Lq, Lk) tensor. No dropout on the attention weights. In torch 2.13 FlexAttention has no
+  backward pass on the CPU: there it serves evaluation and decoding only.
+- ``sdpa``: ``F.scaled_dot_product_attention``. Without a bias it takes the fused kernels
+  (``is_causal`` for an unpadded causal square, a boolean key mask otherwise); with a bias the bias,
+  padding and causality are folded into one dense float mask (the dense-mask path).
+- ``explicit``: scores, softmax and the weighted sum written out, with the dense mask: the reference,
+  and the one path for encodings that need the weights themselves (Shaw's relative values), whatever
+  backend was asked for.
+- ``auto``: see ``choose_backend``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from tpe_train.model.kernels import Linear, linears
 from tpe_train.positions import PositionEncoding
+from tpe_train.positions.base import ScoreMod
+
+#: the values of ``model.attention``
+BACKENDS = ("auto", "flex", "sdpa", "explicit")
+
+#: FlexAttention's mask_mod: (batch, head, q_idx, kv_idx) -> bool, True where the key is visible
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def choose_backend(
+    requested: str, pos: PositionEncoding, device: torch.device, training: bool, dropout: float
+) -> str:
+    """The backend one attention call takes.
+
+    An encoding that needs the weights (``needs_weights``: Shaw's relative values) always takes
+    ``explicit``. Otherwise an explicit request is kept. ``auto`` takes, on a GPU, ``flex`` for an
+    encoding with a logit term (T5, ALiBi, Shaw's keys: their term as a lookup inside the fused
+    kernel instead of a dense mask) unless attention dropout is on (flex has none), and ``sdpa``'s
+    fused kernels for the others (RoPE, sinusoidal, learned, none); on the CPU ``sdpa`` for training,
+    evaluation and decoding alike (FlexAttention cannot train there, and for beam search its
+    compiled kernel measured slower than SDPA: benchmarks/bench_attention.py, README).
+    ``training``: gradients are being recorded.
+    """
+    if pos.needs_weights:
+        return "explicit"
+    if requested != "auto":
+        return requested
+    if device.type == "cuda" and pos.has_bias and not (training and dropout > 0):
+        return "flex"
+    return "sdpa"
+
+
+class Mask:
+    """Which keys each query may see, for one attention kind (encoder self-, decoder self- or
+    cross-attention) of one batch; the same object serves every layer of the stack.
+
+    Positions carry their offset (incremental decoding); causality compares positions, so a chunk
+    of new tokens against a cached prefix is masked exactly as in the full pass."""
+
+    def __init__(
+        self,
+        q_pos: Tensor,
+        k_pos: Tensor,
+        keep: Tensor | None = None,
+        causal: bool = False,
+        group: int = 1,
+    ) -> None:
+        self.q_pos = q_pos  # (Lq,) query positions
+        self.k_pos = k_pos  # (Lk,) key positions
+        self.keep = keep  # (B, 1, 1, Lk) bool, False at padded keys
+        self.causal = causal
+        self.group = group  # cross-attention in beam search: decoder rows per memory row (the beams)
+        self.block: BlockMask | None = None  # flex: built by block_mask on first use, then shared
+
+    def mask_mod(self, q_len: int, repeat: int = 1) -> MaskMod | None:
+        """FlexAttention's mask_mod for ``q_len`` queries (None: every key visible). ``repeat``:
+        each row of ``keep`` serves that many consecutive batch rows."""
+        causal = self.causal and q_len > 1
+        if self.keep is None and not causal:
+            return None
+        return _mask_mod(self.keep, causal, self.q_pos, self.k_pos, repeat)
+
+    def block_mask(self, batch: int, q_len: int, k_len: int, repeat: int = 1) -> BlockMask | None:
+        """Padding and causality as one FlexAttention ``BlockMask`` for (batch, q_len, k_len), or None
+        when every key is visible. Built on the first call and kept, so all layers share it."""
+        if self.block is not None:
+            return self.block
+        mod = self.mask_mod(q_len, repeat)
+        if mod is None:
+            return None
+        block = create_block_mask(mod, batch, None, q_len, k_len, device=self.k_pos.device)
+        self.block = block
+        # the local, not self.block: inside a compiled decoding step torch 2.13's dynamo read the
+        # attribute just set back as None, and flex ran without the padding mask
+        return block
+
+
+def _mask_mod(keep: Tensor | None, causal: bool, q_pos: Tensor, k_pos: Tensor, repeat: int) -> MaskMod:
+    """FlexAttention's mask_mod: True where query q_idx of row b may see key kv_idx."""
+
+    def past(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return k_pos[kv_idx] <= q_pos[q_idx]
+
+    if keep is None:
+        return past
+    rows = keep[:, 0, 0]  # (B, Lk)
+
+    def padding(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return rows[b // repeat, kv_idx]
+
+    def both(b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return rows[b // repeat, kv_idx] & (k_pos[kv_idx] <= q_pos[q_idx])
+
+    return both if causal else padding
+
+
+class _FlexKernel:
+    """The fused flex_attention kernel, compiled on first use with dynamic shapes (batches of new
+    lengths reuse it)."""
+
+    compiled: Callable[..., Any] | None = None
+
+
+def _flex(q: Tensor, k: Tensor, v: Tensor, score_mod: ScoreMod | None, block: BlockMask | None) -> Tensor:
+    """flex_attention of (B, H, Lq, hd) queries over (B, H, Lk, hd) keys and values.
+
+    On a GPU: the fused kernel ``torch.compile`` generates (Triton). On the CPU: torch's unfused
+    implementation of the same ``score_mod`` and ``BlockMask`` (it materialises the scores, as
+    ``explicit`` does). torch 2.13's compiled CPU kernel fails to compile these score and mask
+    functions with dynamic shapes (C++ errors in its template: ``cur_qSplitSize7`` /
+    ``cur_kvSplitSize1`` not declared), and with static shapes it recompiles for every new length,
+    i.e. at every decoding step.
+    """
+    if q.device.type == "cpu" and torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        raise RuntimeError(
+            "model.attention=flex cannot train on the CPU: FlexAttention has no backward pass there "
+            "(torch 2.13); set model.attention=auto or sdpa to train, flex serves CPU evaluation and "
+            "decoding"
+        )
+    if q.device.type == "cpu":  # torch warns once that this is the unfused implementation
+        out = flex_attention(q, k, v, score_mod=score_mod, block_mask=block)
+    else:
+        if _FlexKernel.compiled is None:
+            _FlexKernel.compiled = torch.compile(flex_attention, dynamic=True)
+        out = _FlexKernel.compiled(q, k, v, score_mod=score_mod, block_mask=block)
+    assert isinstance(out, Tensor)
+    return out
 
 
 class KVCache:
@@ -87,38 +235,49 @@ class KVCache:
 class Attention(nn.Module):
     """Self- or cross-attention with separate q, k, v and out projections."""
 
-    def __init__(self, d_model: int, n_heads: int, dropout: float) -> None:
+    def __init__(self, d_model: int, n_heads: int, dropout: float, backend: str = "auto") -> None:
         super().__init__()
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
         self.head_dim = d_model // n_heads
         self.q = Linear(d_model, d_model)
         self.k = Linear(d_model, d_model)
         self.v = Linear(d_model, d_model)
         self.out = Linear(d_model, d_model)
         self.dropout = dropout
+        self.backend = backend  # requested; resolved per call by choose_backend
 
     def _split(self, x: Tensor) -> Tensor:
         b, length, _ = x.shape
         return x.view(b, length, -1, self.head_dim).transpose(1, 2)  # (B, H, L, hd)
 
+    def resolved(self, pos: PositionEncoding, device: torch.device) -> str:
+        """The backend of a call with encoding ``pos`` on ``device`` in the current grad mode."""
+        p = self.dropout if self.training else 0.0
+        return choose_backend(self.backend, pos, device, torch.is_grad_enabled(), p)
+
+    def prepare(self, pos: PositionEncoding, mask: Mask, batch: int, q_len: int) -> None:
+        """Build ``mask``'s flex BlockMask now when this layer's calls will use one: once per batch
+        for all layers, and outside compiled layers (see ``Stack.forward``)."""
+        if mask.group == 1 and self.resolved(pos, mask.k_pos.device) == "flex":
+            mask.block_mask(batch, q_len, mask.k_pos.shape[0])
+
     def forward(
         self,
         x: Tensor,
         pos: PositionEncoding,
-        q_pos: Tensor,
-        k_pos: Tensor,
+        mask: Mask,
         *,
         memory: Tensor | None = None,
-        keep: Tensor | None = None,
-        causal: bool = False,
         cache: KVCache | None = None,
-        group: int = 1,
     ) -> Tensor:
         """x: (B, Lq, D); memory: (B, Lk, D) for cross-attention (None: self-attention).
 
-        ``keep``: bool (B, 1, 1, Lk), False at padded keys. ``cache``: this layer's KV cache, filled
-        in place (self-attention appends; cross-attention projects the memory once). ``group``: each
-        memory row serves that many consecutive rows of ``x`` (the beams of one sentence).
+        ``mask``: positions, padding and causality of this attention kind (shared by all layers).
+        ``cache``: this layer's KV cache, filled in place (self-attention appends; cross-attention
+        projects the memory once).
         """
+        q_pos, k_pos, keep = mask.q_pos, mask.k_pos, mask.keep
         if memory is None:
             q, k, v = (self._split(t) for t in linears(x, (self.q, self.k, self.v)))
             q, k = pos.rotate(q, k, q_pos, q_pos)
@@ -135,30 +294,41 @@ class Attention(nn.Module):
             if cache is not None:
                 k, v = cache.store(k, v)
 
-        beams = memory is not None and group > 1
-        if beams and q.shape[2] == 1:
+        group = mask.group if memory is not None else 1
+        beams, repeat = group > 1 and q.shape[2] == 1, 1
+        if beams:
             # The beams of a sentence attend to one memory: make them its queries, (B, H, K, hd),
             # instead of K copies of the memory (one small GEMM instead of K matrix-vector products).
             rows, heads, _, hd = q.shape
             q = q.view(rows // group, group, heads, hd).transpose(1, 2)
-        elif beams:
+            q_pos = q_pos.expand(group)
+        elif group > 1:
             k, v = k.repeat_interleave(group, 0), v.repeat_interleave(group, 0)
             keep = keep.repeat_interleave(group, 0) if keep is not None else None
-            beams = False
-        causal = causal and q.shape[2] > 1
+            repeat = group
+        causal = mask.causal and q.shape[2] > 1
         p = self.dropout if self.training else 0.0
-        bias = pos.attn_bias(q, q_pos, k_pos) if pos.has_bias else None
-        if pos.needs_weights:
-            mask = _mask(bias, keep, causal, q_pos, k_pos)
-            out = self._explicit(q, k, v, pos, q_pos, k_pos, mask, p)
-        elif bias is None and keep is None and causal and q.shape[2] == k.shape[2]:
-            out = _sdpa(q, k, v, None, p, is_causal=True)
-        elif bias is None and not causal:
-            out = _sdpa(q, k, v, keep, p)
+        backend = self.resolved(pos, q.device)
+        if backend == "flex":
+            if p > 0:
+                raise RuntimeError(
+                    "model.attention=flex has no dropout on the attention weights; set "
+                    "model.attention_dropout=0 or choose model.attention=sdpa"
+                )
+            block = mask.block_mask(q.shape[0], q.shape[2], k.shape[2], repeat)
+            out = _flex(q, k, v, pos.score_mod(q, q_pos, k_pos), block)
         else:
-            mask = _mask(bias, keep, causal, q_pos, k_pos)
-            assert mask is not None
-            out = _sdpa(q, k, v, mask.to(q.dtype), p)
+            bias = pos.attn_bias(q, q_pos, k_pos) if pos.has_bias else None
+            if backend == "explicit":
+                out = self._explicit(q, k, v, pos, q_pos, k_pos, _mask(bias, keep, causal, q_pos, k_pos), p)
+            elif bias is None and keep is None and causal and q.shape[2] == k.shape[2]:
+                out = _sdpa(q, k, v, None, p, is_causal=True)
+            elif bias is None and not causal:
+                out = _sdpa(q, k, v, keep, p)
+            else:
+                dense = _mask(bias, keep, causal, q_pos, k_pos)
+                assert dense is not None
+                out = _sdpa(q, k, v, dense.to(q.dtype), p)
         if beams:
             out = out.transpose(1, 2).reshape(-1, out.shape[1], 1, out.shape[3])  # (B*K, H, 1, hd)
         b, _, length, _ = out.shape
@@ -175,12 +345,16 @@ class Attention(nn.Module):
         mask: Tensor | None,
         p: float,
     ) -> Tensor:
-        """Attention with explicit weights, for encodings that add a weight-dependent value term."""
+        """Attention with explicit weights (the reference; also for encodings whose value term
+        needs the weights)."""
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5  # (B, H, Lq, Lk)
         if mask is not None:
             scores = scores + mask
         weights = F.dropout(torch.softmax(scores.float(), dim=-1).to(q.dtype), p, self.training)
-        return torch.matmul(weights, v) + pos.value_term(weights, q_pos, k_pos)
+        out = torch.matmul(weights, v)
+        if pos.needs_weights:
+            out = out + pos.value_term(weights, q_pos, k_pos)
+        return out
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float, is_causal: bool = False) -> Tensor:
@@ -190,9 +364,11 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float, is_cau
     lengths (forward + backward, (128, 4, 37, 64): 60 ms against 22 ms), which alone ate bf16's gain,
     and slightly slower in fp32 too (24 against 21 ms). For the few queries of an incremental decoding
     step (one token, or the beams of a sentence against its memory) even that costs more than the
-    work: plain matmuls are used there. On a GPU every call goes to SDPA's own choice of kernel.
+    work: plain matmuls are used there (only without gradients, so that a compiled training step
+    never specialises on the length). On a GPU every call goes to SDPA's own choice of kernel.
     """
-    if q.device.type == "cpu" and q.shape[2] <= 8 and p == 0.0 and not is_causal:
+    small = not torch.is_grad_enabled() and q.shape[2] <= 8  # decoding (training: no length branch)
+    if q.device.type == "cpu" and small and p == 0.0 and not is_causal:
         scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)  # (B, H, Lq, Lk)
         if mask is not None:
             scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask

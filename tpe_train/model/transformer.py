@@ -9,13 +9,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from tpe_train.model.args import ModelArgs
-from tpe_train.model.attention import Attention, KVCache
+from tpe_train.model.attention import Attention, KVCache, Mask
 from tpe_train.model.kernels import Linear, linear
 from tpe_train.positions import POSITIONS, PositionEncoding, build_position
 
@@ -41,9 +42,11 @@ class Layer(nn.Module):
         d = args.d_model
         self.pre_norm = args.pre_norm
         self.dropout = args.dropout
-        self.self_attn = Attention(d, args.n_heads, args.attention_dropout)
+        self.self_attn = Attention(d, args.n_heads, args.attention_dropout, args.attention)
         self.self_norm = nn.LayerNorm(d)
-        self.cross_attn = Attention(d, args.n_heads, args.attention_dropout) if cross else None
+        self.cross_attn = (
+            Attention(d, args.n_heads, args.attention_dropout, args.attention) if cross else None
+        )
         self.cross_norm = nn.LayerNorm(d) if cross else None
         self.ffn = FeedForward(d, args.ffn_dim, args.activation_dropout)
         self.ffn_norm = nn.LayerNorm(d)
@@ -57,54 +60,26 @@ class Layer(nn.Module):
         self,
         x: Tensor,
         pos: PositionEncoding,
-        x_pos: Tensor,
-        keep: Tensor | None,
-        causal: bool,
+        mask: Mask,
         memory: Memory | None = None,
         cross_pos: PositionEncoding | None = None,
+        cross_mask: Mask | None = None,
         cache: dict[str, KVCache] | None = None,
     ) -> Tensor:
-        """x: (B, L, D); ``memory``: the encoder's output, for a decoder layer."""
+        """x: (B, L, D); ``memory``: the encoder's output, for a decoder layer; ``mask`` and
+        ``cross_mask``: positions, padding and causality of self- and cross-attention."""
         self_cache = cache["self"] if cache is not None else None
-        x = self._residual(
-            x,
-            self.self_norm,
-            lambda h: self.self_attn(
-                h,
-                pos,
-                x_pos,
-                _key_pos(x_pos, self_cache),
-                keep=keep,
-                causal=causal,
-                cache=self_cache,
-            ),
-        )
+        x = self._residual(x, self.self_norm, lambda h: self.self_attn(h, pos, mask, cache=self_cache))
         cross_attn, cross_norm = self.cross_attn, self.cross_norm
         if cross_attn is not None and cross_norm is not None:
-            assert memory is not None and cross_pos is not None
+            assert memory is not None and cross_pos is not None and cross_mask is not None
             cross_cache = cache["cross"] if cache is not None else None
             x = self._residual(
                 x,
                 cross_norm,
-                lambda h: cross_attn(
-                    h,
-                    cross_pos,
-                    x_pos,
-                    memory.positions,
-                    memory=memory.states,
-                    keep=memory.keep,
-                    cache=cross_cache,
-                    group=memory.group,
-                ),
+                lambda h: cross_attn(h, cross_pos, cross_mask, memory=memory.states, cache=cross_cache),
             )
         return self._residual(x, self.ffn_norm, self.ffn)
-
-
-def _key_pos(x_pos: Tensor, cache: KVCache | None) -> Tensor:
-    """Positions of the self-attention keys: the cached prefix followed by the new tokens."""
-    if cache is None or cache.length == 0:
-        return x_pos
-    return torch.arange(int(x_pos[-1]) + 1, device=x_pos.device)
 
 
 def _positions(kind: str, args: ModelArgs, n_layers: int, causal: bool) -> nn.ModuleList:
@@ -126,6 +101,7 @@ class Stack(nn.Module):
         self.layers = nn.ModuleList(Layer(args, cross=decoder) for _ in range(n_layers))
         self.final_norm = nn.LayerNorm(args.d_model) if args.pre_norm else None
         self.dropout = args.dropout
+        self.__dict__["_compiled"] = None  # compile_layers: not a submodule (no state_dict entries)
 
     def pos(self, i: int) -> PositionEncoding:
         enc = self.positions[i if len(self.positions) > 1 else 0]
@@ -142,25 +118,41 @@ class Stack(nn.Module):
     def forward(
         self,
         x: Tensor,
-        x_pos: Tensor,
-        keep: Tensor | None,
+        mask: Mask,
         memory: Memory | None = None,
+        cross_mask: Mask | None = None,
         cache: list[dict[str, KVCache]] | None = None,
     ) -> Tensor:
-        """x: (B, L, D) scaled token embeddings at positions x_pos (L,)."""
-        x = F.dropout(self.pos(0).embed(x, x_pos), self.dropout, self.training)
+        """x: (B, L, D) scaled token embeddings at positions ``mask.q_pos`` (L,)."""
+        x = F.dropout(self.pos(0).embed(x, mask.q_pos), self.dropout, self.training)
+        if cache is None:  # flex block masks: built here once for all layers, outside compiled code
+            first = self.layers[0]
+            assert isinstance(first, Layer)
+            first.self_attn.prepare(self.pos(0), mask, x.shape[0], x.shape[1])
+            cross_pos = self.cross_pos(0)
+            if first.cross_attn is not None and cross_pos is not None and cross_mask is not None:
+                first.cross_attn.prepare(cross_pos, cross_mask, x.shape[0], x.shape[1])
+        compiled: list[Any] | None = self.__dict__["_compiled"] if self.training and cache is None else None
         for i, layer in enumerate(self.layers):
-            x = layer(
+            run = compiled[i] if compiled else layer
+            x = run(
                 x,
                 self.pos(i),
-                x_pos,
-                keep,
-                self.decoder,
+                mask,
                 memory,
                 self.cross_pos(i),
+                cross_mask,
                 cache[i] if cache is not None else None,
             )
         return self.final_norm(x) if self.final_norm is not None else x
+
+    def compile_layers(self, **options: Any) -> None:
+        """Compile each layer's training forward (and so its backward) with ``torch.compile``
+        (regional compilation: the layers of a stack share their compiled code). Shapes are dynamic
+        from the start: token-bucket batches change batch size and length at every step, and static
+        shapes would compile twice before settling. Evaluation and decoding keep the eager layers."""
+        options = {"dynamic": True, **options}
+        self.__dict__["_compiled"] = [torch.compile(layer, **options) for layer in self.layers]
 
 
 @dataclass
@@ -204,6 +196,16 @@ class Memory:
         return Memory(self.states[rows], self.keep[rows], self.positions, self.group)
 
 
+def _check_length(length: int, limit: int | None, side: str) -> None:
+    """Refuse a sequence the position encoding cannot represent, from its shape (no device read)."""
+    if limit is not None and length > limit:
+        raise ValueError(
+            f"a {side} sequence of {length} positions is beyond the learned position table "
+            f"(model.position.max_positions={limit}); raise model.position.max_positions or shorten "
+            "the input"
+        )
+
+
 class Transformer(nn.Module):
     """Encoder-decoder over one joint vocabulary; embeddings shared by source, target and output."""
 
@@ -237,24 +239,28 @@ class Transformer(nn.Module):
 
     def encode(self, src: Tensor) -> Memory:
         """src: (B, Ls) token ids, right-padded."""
+        _check_length(src.shape[1], self.max_source_length(), "source")
         positions = torch.arange(src.shape[1], device=src.device)
         keep = (src != self.args.pad_id)[:, None, None, :]  # (B, 1, 1, Ls)
         x = self.embed(src) * self.embed_scale
-        return Memory(self.encoder(x, positions, keep), keep, positions)
+        return Memory(self.encoder(x, Mask(positions, positions, keep)), keep, positions)
 
     def decode(self, tgt_in: Tensor, memory: Memory, cache: DecoderCache | None = None) -> Tensor:
         """tgt_in: (B, Lt) decoder input ids (BOS-prefixed) -> logits (B, Lt, V).
 
         With a cache, ``tgt_in`` holds only the new tokens; positions continue from ``cache.offset``.
         """
-        offset = cache.offset if cache is not None else 0
-        positions = torch.arange(offset, offset + tgt_in.shape[1], device=tgt_in.device)
+        offset = cache.offset if cache is not None else 0  # a host int: no device read
+        end = offset + tgt_in.shape[1]
+        _check_length(end, self.max_target_length(), "target")
+        positions = torch.arange(offset, end, device=tgt_in.device)
+        keys = torch.arange(end, device=tgt_in.device) if offset else positions  # cached prefix + new
         x = self.embed(tgt_in) * self.embed_scale
         h = self.decoder(
             x,
-            positions,
-            None,
+            Mask(positions, keys, causal=True),
             memory,
+            Mask(positions, memory.positions, memory.keep, group=memory.group),
             cache.layers if cache is not None else None,
         )
         if cache is not None:
@@ -267,3 +273,9 @@ class Transformer(nn.Module):
 
     def new_cache(self) -> DecoderCache:
         return DecoderCache.empty(len(self.decoder.layers))
+
+    def compile_layers(self, **options: Any) -> None:
+        """Regional compilation of the training step: every encoder and decoder layer's forward
+        and backward through ``torch.compile`` (``train.compile``); see ``Stack.compile_layers``."""
+        self.encoder.compile_layers(**options)
+        self.decoder.compile_layers(**options)

@@ -96,6 +96,7 @@ def resolve_layout(cfg: Config, world_size: int | None = None) -> Layout:
         _check_owned(template, source)
     layout = Layout(world, tp, template, source)
     _check(cfg, layout)
+    _check_compute(cfg, layout)
     return layout
 
 
@@ -157,6 +158,22 @@ def _check(cfg: Config, layout: Layout) -> None:
         )
     if problems:
         raise ConfigError("impossible parallel layout: " + "; ".join(problems))
+
+
+def _check_compute(cfg: Config, layout: Layout) -> None:
+    """The attention backend and the compiled step against where the run lands."""
+    if cfg.model.attention == "flex" and not _has_gpu():
+        raise ConfigError(
+            "model.attention=flex cannot train on the CPU: FlexAttention has no backward pass there "
+            "(torch 2.13); set model.attention=auto (it takes sdpa on the CPU) or sdpa"
+        )
+    if cfg.train.compile and (layout.zero_stage == 3 or layout.tp_size > 1):
+        what = "ZeRO-3" if layout.zero_stage == 3 else f"tensor parallelism (size {layout.tp_size})"
+        raise ConfigError(
+            f"train.compile=true does not work with {what} ({layout.source}): its hooks gather or "
+            "all-reduce inside every layer, which torch.compile cannot trace; set train.compile=false, "
+            "or train with DDP or DeepSpeed ZeRO-0/1/2"
+        )
 
 
 def _has_gpu() -> bool:

@@ -26,27 +26,18 @@ def sinusoid_table(positions: Tensor, d_model: int) -> Tensor:
 
 @POSITIONS.register("sinusoidal")
 class SinusoidalPosition(PositionEncoding):
-    """Fixed sinusoids added to the embeddings; computed, never stored in a checkpoint."""
-
-    def __init__(self, args: PositionArgs) -> None:
-        super().__init__(args)
-        self._cache = torch.empty(0, args.d_model)
-
-    def _table(self, length: int, device: torch.device) -> Tensor:
-        if self._cache.shape[0] < length or self._cache.device != device:
-            size = max(length, 2 * self._cache.shape[0], 256)
-            self._cache = sinusoid_table(torch.arange(size, device=device), self.args.d_model)
-        return self._cache
+    """Fixed sinusoids added to the embeddings; computed from the positions on their device at each
+    call ((L, d) sines, once per stack and forward pass), never stored and never sized on the host."""
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
-        table = self._table(int(pos[-1]) + 1, x.device)
-        return x + table[pos].to(x.dtype)
+        return x + sinusoid_table(pos, self.args.d_model).to(x.dtype)
 
 
 @POSITIONS.register("learned")
 class LearnedPosition(PositionEncoding):
     """A learned absolute table of ``max_positions`` rows (BART, BERT). Tensor parallelism may
-    replace ``table`` by a module that holds a slice of the rows and answers the same lookups."""
+    replace ``table`` by a module that holds a slice of the rows and answers the same lookups.
+    Longer inputs are refused by the model from their shape (``max_length``), before any lookup."""
 
     tp_split = "positions"
 
@@ -60,11 +51,4 @@ class LearnedPosition(PositionEncoding):
         return self.args.max_positions
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
-        last = int(pos[-1])
-        if last >= self.args.max_positions:
-            raise ValueError(
-                f"sequence position {last} is beyond the learned position table "
-                f"(model.position.max_positions={self.args.max_positions}); raise "
-                "model.position.max_positions or shorten the input"
-            )
         return x + self.table(pos).to(x.dtype)

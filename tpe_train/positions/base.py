@@ -6,13 +6,22 @@ Attention calls all three hooks and never branches on an encoding's name:
 - ``rotate(q, k, q_pos, k_pos)``: a rotation of queries and keys (RoPE).
 - ``attn_bias(q, q_pos, k_pos)``: additive attention logits (T5 buckets, ALiBi, Shaw's relative keys).
 
+FlexAttention takes the same logit term as a ``score_mod`` (``score_mod(q, q_pos, k_pos)``): a function
+of one score and its (batch, head, query index, key index) that never builds the dense (B, H, Lq, Lk)
+bias. The base class derives it from ``attn_bias`` (correct for any encoding, dense); encodings whose
+term is a lookup (T5's table by bucket, ALiBi's slope by distance, Shaw's q.R^T by clipped distance)
+override it with that lookup.
+
 Positions are 1-D ``long`` tensors that carry their offset, so incremental decoding with a KV cache
-sees exactly the positions of the full pass. Encodings that need the attention weights themselves
-(Shaw's relative values) say so with ``needs_weights`` and implement ``value_term``.
+sees exactly the positions of the full pass. They stay on the device: no hook reads a position back
+to the host (no ``int(pos[-1])``), so a step never waits for the GPU and compiles without graph breaks.
+Encodings that need the attention weights themselves (Shaw's relative values) say so with
+``needs_weights`` and implement ``value_term``; attention then computes its weights explicitly.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -20,6 +29,9 @@ import torch
 from torch import Tensor, nn
 
 from tpe_train.registry import Registry
+
+#: FlexAttention's score_mod: (score, batch, head, q_idx, kv_idx) -> modified score (0-d tensors)
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,6 +91,26 @@ class PositionEncoding(nn.Module):
         ``q`` is the (B, H, Lq, hd) query (content-dependent biases use it).
         """
         return None
+
+    def score_mod(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> ScoreMod | None:
+        """``attn_bias`` as FlexAttention's ``score_mod``: ``score + bias[b, h, q_idx, kv_idx]``, or None.
+
+        ``q_idx`` and ``kv_idx`` index the query and key tensors; ``q_pos[q_idx]`` and
+        ``k_pos[kv_idx]`` are their positions (offsets included). ``h`` is the local head, i.e.
+        ``self.heads[h]`` globally. This default materialises the dense bias once per call; encodings
+        override it with a lookup that does not.
+        """
+        if not self.has_bias:
+            return None
+        bias = self.attn_bias(q, q_pos, k_pos)  # (1|B, h, Lq, Lk)
+        if bias is None:
+            return None
+        bias = bias.expand(q.shape[0], -1, q.shape[2], k_pos.shape[0])
+
+        def mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return score + bias[b, h, q_idx, kv_idx].to(score.dtype)
+
+        return mod
 
     def keep_heads(self, heads: list[int]) -> None:
         """Serve only the global heads ``heads`` (a tensor-parallel rank's share): per-head tables and

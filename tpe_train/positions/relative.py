@@ -2,6 +2,8 @@
 
 Each depends only on j - i, so shifting all positions by a constant changes nothing. Rows are built
 for the global head indices a module serves, so a tensor-parallel rank builds only its own heads.
+Each also gives its term to FlexAttention as a lookup inside ``score_mod`` (by head, query index and
+key index), so the fused kernel never sees a dense (B, H, Lq, Lk) bias.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from tpe_train.positions.base import (
     POSITIONS,
     PositionArgs,
     PositionEncoding,
+    ScoreMod,
     head_index,
     relative_distance,
 )
@@ -44,11 +47,24 @@ class ShawPosition(PositionEncoding):
         k = self.args.shaw_clip
         return relative_distance(q_pos, k_pos).clamp(-k, k) + k
 
+    def relative_logits(self, q: Tensor) -> Tensor:
+        """q . a_d / sqrt(hd) for each of the 2k+1 clipped distances d: (B, H, Lq, 2k+1)."""
+        return torch.matmul(q, self.keys.to(q.dtype).t()) * self.scale
+
     def attn_bias(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
-        scores = torch.matmul(q, self.keys.to(q.dtype).t()) * self.scale  # (B, H, Lq, 2k+1)
+        scores = self.relative_logits(q)  # (B, H, Lq, 2k+1)
         idx = self.bucket(q_pos, k_pos)  # (Lq, Lk)
         idx = idx.expand(*scores.shape[:-1], idx.shape[-1])  # (B, H, Lq, Lk)
         return torch.gather(scores, -1, idx)
+
+    def score_mod(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> ScoreMod | None:
+        scores, clip = self.relative_logits(q), self.args.shaw_clip  # (B, H, Lq, 2k+1)
+
+        def mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            d = (k_pos[kv_idx] - q_pos[q_idx]).clamp(-clip, clip) + clip
+            return score + scores[b, h, q_idx, d].to(score.dtype)
+
+        return mod
 
     def value_term(self, weights: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         assert self.values is not None
@@ -96,14 +112,22 @@ class T5Position(PositionEncoding):
         self.table.weight = nn.Parameter(kept)
         super().keep_heads(heads)
 
+    def bucket(self, relative: Tensor) -> Tensor:
+        """The bucket of each relative position (key minus query), any shape."""
+        a = self.args
+        return t5_bucket(relative, not a.causal, a.t5_buckets, a.t5_max_distance)
+
     def attn_bias(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
-        buckets = t5_bucket(
-            relative_distance(q_pos, k_pos),
-            bidirectional=not self.args.causal,
-            num_buckets=self.args.t5_buckets,
-            max_distance=self.args.t5_max_distance,
-        )  # (Lq, Lk)
+        buckets = self.bucket(relative_distance(q_pos, k_pos))  # (Lq, Lk)
         return self.table.weight[buckets].permute(2, 0, 1).unsqueeze(0).to(q.dtype)  # (1, h, Lq, Lk)
+
+    def score_mod(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> ScoreMod | None:
+        table = self.table.weight  # (buckets, h): column h is global head self.heads[h]
+
+        def mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            return score + table[self.bucket(k_pos[kv_idx] - q_pos[q_idx]), h].to(score.dtype)
+
+        return mod
 
 
 def alibi_slopes(n_heads: int) -> list[float]:
@@ -146,3 +170,12 @@ class AlibiPosition(PositionEncoding):
         slopes = self.slopes.to(q.device)  # (h,)
         distance = relative_distance(q_pos, k_pos).abs().to(torch.float32)  # (Lq, Lk)
         return (-slopes[:, None, None] * distance).unsqueeze(0).to(q.dtype)  # (1, h, Lq, Lk)
+
+    def score_mod(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> ScoreMod | None:
+        slopes = self.slopes.to(q.device)  # (h,) of the global heads self.heads
+
+        def mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+            distance = (k_pos[kv_idx] - q_pos[q_idx]).abs().to(torch.float32)
+            return score + (-slopes[h] * distance).to(score.dtype)
+
+        return mod

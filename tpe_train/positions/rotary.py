@@ -16,33 +16,33 @@ def _rotate_half(x: Tensor) -> Tensor:
 
 @POSITIONS.register("rope")
 class RotaryPosition(PositionEncoding):
-    """RoPE in the half-split layout (GPT-NeoX): pairs (x_i, x_{i + hd/2}) rotate together."""
+    """RoPE in the half-split layout (GPT-NeoX): pairs (x_i, x_{i + hd/2}) rotate together by the angle
+    pos * base^(-2i/hd), i < hd/2.
+
+    The angles are computed from the positions on their device at each call, in float64 (exact for
+    any position a model meets), then rounded to float32: no table sized on the host, no host sync.
+    """
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__(args)
-        hd = args.head_dim
-        if hd % 2:
-            raise ValueError(f"rope needs an even head dimension, got d_model/n_heads = {hd}")
-        self.inv_freq = 1.0 / (args.rope_base ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
-        self._cos = torch.empty(0)
-        self._sin = torch.empty(0)
+        if args.head_dim % 2:
+            raise ValueError(f"rope needs an even head dimension, got d_model/n_heads = {args.head_dim}")
 
-    def _cos_sin(self, length: int, device: torch.device) -> tuple[Tensor, Tensor]:
-        if self._cos.shape[0] < length or self._cos.device != device:
-            size = max(length, 2 * self._cos.shape[0], 256)
-            pos = torch.arange(size, dtype=torch.float64)
-            freqs = pos[:, None] * self.inv_freq[None, :]  # (size, hd/2)
-            emb = torch.cat((freqs, freqs), dim=-1)  # (size, hd)
-            self._cos = emb.cos().float().to(device)
-            self._sin = emb.sin().float().to(device)
-        return self._cos, self._sin
+    def cos_sin(self, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """cos and sin of every position's angles in the half-split layout: two (L, hd) float32."""
+        hd = self.args.head_dim
+        two_i = torch.arange(0, hd, 2, dtype=torch.float64, device=pos.device)
+        inv_freq = 1.0 / torch.pow(self.args.rope_base, two_i / hd)  # (hd/2,)
+        freqs = pos.to(torch.float64)[:, None] * inv_freq[None, :]  # (L, hd/2)
+        emb = torch.cat((freqs, freqs), dim=-1)  # (L, hd)
+        return emb.cos().float(), emb.sin().float()
+
+    def _rotated(self, x: Tensor, pos: Tensor) -> Tensor:
+        cos, sin = self.cos_sin(pos)
+        return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
 
     def rotate(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
-        last = max(int(q_pos[-1]), int(k_pos[-1])) if k.shape[-2] else int(q_pos[-1])
-        cos, sin = self._cos_sin(last + 1, q.device)
-        cq, sq = cos[q_pos].to(q.dtype), sin[q_pos].to(q.dtype)  # (Lq, hd)
-        q = q * cq + _rotate_half(q) * sq
-        if k.shape[-2]:
-            ck, sk = cos[k_pos].to(k.dtype), sin[k_pos].to(k.dtype)
-            k = k * ck + _rotate_half(k) * sk
+        q = self._rotated(q, q_pos)
+        if k.shape[-2]:  # cross-attention with a cached memory passes no keys
+            k = self._rotated(k, k_pos)
         return q, k

@@ -1,0 +1,136 @@
+"""Attention backends: flex (score_mod + BlockMask) equals explicit for every encoding, in the full
+pass and in incremental decoding; how ``auto`` chooses; the errors of impossible choices.
+
+On the CPU ``flex`` runs torch's unfused FlexAttention (the same score_mod and BlockMask the fused GPU
+kernel takes); benchmarks/gpu_attention.py checks the fused kernel, gradients included, on a GPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import KINDS, tiny_model
+
+import tpe_train.model.attention as attention
+from tpe_train.model.attention import choose_backend
+from tpe_train.model.generate import beam_search
+from tpe_train.model.transformer import Transformer
+from tpe_train.positions import PositionArgs, PositionEncoding, build_position
+
+VARIANTS = [*KINDS, "shaw+values"]
+
+
+def pair(variant: str, **kw: object) -> tuple[Transformer, Transformer]:
+    """The same weights behind ``flex`` and behind ``explicit``."""
+    kind = "shaw" if variant == "shaw+values" else variant
+    models = []
+    for backend in ("flex", "explicit"):
+        torch.manual_seed(0)
+        model = tiny_model(kind, attention=backend, shaw_values=variant == "shaw+values", **kw)
+        for enc in model.modules():
+            if getattr(enc, "values", None) is not None:
+                torch.nn.init.normal_(enc.values)  # zero at init: make the value term count
+        models.append(model)
+    return models[0], models[1]
+
+
+def batch() -> tuple[torch.Tensor, torch.Tensor]:
+    src = torch.randint(3, 40, (3, 7))
+    src[1, 4:] = 0  # padding
+    src[2, 6:] = 0
+    return src, torch.randint(3, 40, (3, 5))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_flex_equals_explicit_in_the_full_pass_and_in_incremental_decoding(variant: str) -> None:
+    flex, explicit = pair(variant, encoder_layers=1, decoder_layers=1)
+    src, tgt = batch()
+    with torch.no_grad():
+        memory = explicit.encode(src)
+        reference = explicit.decode(tgt, memory)  # causal self-attention, padded cross-attention
+        flex_memory = flex.encode(src)  # bidirectional self-attention over padded keys
+        torch.testing.assert_close(flex_memory.states, memory.states, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(flex.decode(tgt, flex_memory), reference, atol=1e-5, rtol=1e-5)
+        cache = flex.new_cache()  # a prefix of 2, then one token at a time (positions with offsets)
+        steps = [flex.decode(tgt[:, :2], flex_memory, cache)]
+        steps += [flex.decode(tgt[:, i : i + 1], flex_memory, cache) for i in range(2, 5)]
+    torch.testing.assert_close(torch.cat(steps, dim=1), reference, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["t5", "shaw"])
+def test_flex_beam_search_equals_explicit(kind: str) -> None:
+    """Beam search: the beams of a sentence are the queries of one memory (a (B, H, K, hd) block)."""
+    flex, explicit = pair(kind)
+    src, _ = batch()
+    assert beam_search(flex, src, beam=3, max_len_b=5) == beam_search(explicit, src, beam=3, max_len_b=5)
+
+
+def test_one_block_mask_per_batch_and_attention_kind(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Padding and causality: one BlockMask for encoder self-, decoder self- and cross-attention each,
+    shared by every layer (2 + 2 layers here), not one per layer or head."""
+    built: list[tuple[int, ...]] = []
+    real = attention.create_block_mask
+
+    def counting(*args: object, **kw: object) -> object:
+        built.append(tuple(int(a) for a in args[1:5] if isinstance(a, int)))  # (B, Q_LEN, KV_LEN)
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention, "create_block_mask", counting)
+    flex, explicit = pair("t5")
+    src, tgt = batch()
+    with torch.no_grad():
+        out = flex(src, tgt)
+    assert sorted(built) == sorted([(3, 7, 7), (3, 5, 5), (3, 5, 7)])
+    torch.testing.assert_close(out, explicit(src, tgt), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["t5", "alibi"])
+def test_flex_score_mod_of_a_tensor_parallel_rank_uses_its_global_heads(kind: str) -> None:
+    """A rank that keeps heads [2, 3] gives, through flex, the full encoding's heads 2 and 3."""
+    full = build_position(kind, PositionArgs(d_model=32, n_heads=4, causal=False))
+    part = build_position(kind, PositionArgs(d_model=32, n_heads=4, causal=False))
+    part.load_state_dict(full.state_dict())
+    part.keep_heads([2, 3])
+    q, k, v = (torch.randn(2, 4, 6, 8) for _ in range(3))
+    pos = torch.arange(6) + 11  # positions with an offset
+    with torch.no_grad():
+        whole = attention._flex(q, k, v, full.score_mod(q, pos, pos), None)
+        mine = attention._flex(q[:, 2:], k[:, 2:], v[:, 2:], part.score_mod(q[:, 2:], pos, pos), None)
+    torch.testing.assert_close(mine, whole[:, 2:], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["t5", "alibi", "shaw"])
+def test_score_mods_equal_the_dense_bias(kind: str) -> None:
+    """Each encoding's own score_mod (a lookup), the base class's score_mod derived from attn_bias,
+    and the dense bias added to the scores give the same attention."""
+    enc = build_position(kind, PositionArgs(d_model=32, n_heads=4, causal=True, shaw_clip=2))
+    q, k, v = (torch.randn(2, 4, 5, 8) for _ in range(3))
+    q_pos, k_pos = torch.arange(3, 8), torch.arange(0, 5) + 3
+    with torch.no_grad():
+        dense = torch.softmax(q @ k.transpose(-1, -2) / 8**0.5 + enc.attn_bias(q, q_pos, k_pos), dim=-1) @ v
+        own = attention._flex(q, k, v, enc.score_mod(q, q_pos, k_pos), None)
+        derived = attention._flex(q, k, v, PositionEncoding.score_mod(enc, q, q_pos, k_pos), None)
+    torch.testing.assert_close(own, dense, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(derived, dense, atol=1e-6, rtol=1e-6)
+
+
+def test_auto_never_takes_flex_for_a_cpu_training_step() -> None:
+    t5 = build_position("t5", PositionArgs(d_model=32, n_heads=4, causal=False))
+    rope = build_position("rope", PositionArgs(d_model=32, n_heads=4, causal=False))
+    shaw_v = build_position("shaw", PositionArgs(d_model=32, n_heads=4, causal=False, shaw_values=True))
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    assert choose_backend("auto", t5, cpu, True, 0.0) == "sdpa"
+    assert choose_backend("auto", t5, cpu, False, 0.0) == "sdpa"
+    assert choose_backend("auto", t5, gpu, True, 0.0) == "flex"
+    assert choose_backend("auto", t5, gpu, True, 0.1) == "sdpa"  # flex has no attention dropout
+    assert choose_backend("auto", rope, gpu, True, 0.0) == "sdpa"
+    assert choose_backend("flex", shaw_v, gpu, True, 0.0) == "explicit"  # needs the weights
+    assert choose_backend("explicit", rope, gpu, True, 0.0) == "explicit"
+
+
+def test_flex_training_on_the_cpu_is_a_clear_error() -> None:
+    model = tiny_model("t5", attention="flex")
+    model.train()
+    src, tgt = batch()
+    with pytest.raises(RuntimeError, match=r"cannot train on the CPU.*model.attention=auto or sdpa"):
+        model(src, tgt)
