@@ -1,0 +1,247 @@
+"""Translation throughput of ``tpe-translate``'s pipeline against Hugging Face ``generate``, same model
+shape, same beam, same batches, same number of decoder steps per sentence, on a real test set.
+
+Run from the repository root (the numbers are only comparable *within one run*)::
+
+    python benchmarks/bench_translate.py                        # newstest2014.en of ../shared, 3 rounds
+    python benchmarks/bench_translate.py --lines 500 --rounds 2 # quicker
+    python benchmarks/bench_translate.py --device cuda --json out.json
+
+What is measured
+----------------
+Source: the newstest2014 English file (3,003 lines; ``--source`` names another), tokenised with a joint
+BPE of 8,000 (``tokenizers``, trained here on newstest2014 en + de, the same file for both sides).
+Models: the shape of ``bench_train.py`` (d_model 256, 4 heads, FFN 1024, 3 + 3 layers, vocabulary 8,000,
+tied embeddings), random weights with a fixed seed: tpe_train's ``sinusoidal`` Transformer and Hugging
+Face's MarianMT (sinusoidal too), both in eval mode, fp32.
+
+- tpe_train: ``translate_stream`` (what ``tpe-translate`` runs after loading the export: lines ->
+  tokens -> length-sorted batches of at most ``max_tokens`` padded source tokens -> beam search ->
+  detokenised lines in input order), beam 4, length penalty 0.6.
+- Hugging Face: the same tokens in the same batches (``decoding.token_batches``), ``generate(num_beams=4,
+  length_penalty=0.6, suppress_tokens=[pad])`` per batch, detokenised and put back in input order.
+
+Random weights stop at arbitrary lengths, so (as ``bench_train.py`` does for fixed-length batches) both
+sides are made to decode exactly the same number of steps per sentence: a source of n tokens (EOS
+included) gets n output tokens + EOS, i.e. n + 1 decoder calls (tpe_train's length limit with
+max_len_a 1, max_len_b 1). tpe_train: the EOS logit is lowered by 10^4 before the limit (it is never
+chosen; the limit then forces it, as for any sentence); Hugging Face: a logits processor removes EOS
+before step n + 1 of each sentence and forces it there. Each side keeps its own batch behaviour:
+tpe_train drops a finished sentence from its batch, Hugging Face pads it until the batch is done. The
+output lengths of both sides are checked equal sentence by sentence.
+
+Rounds alternate the two sides (order swapped every round); reported: median seconds per pass over the
+file, sentences/s, output tokens/s and the ratio tpe / HF (> 1: tpe-translate faster).
+
+fairseq-interactive is not measured: fairseq 0.12.2 (the last release) pins omegaconf < 2.1 and
+hydra-core 1.0 (this project needs omegaconf >= 2.3), and pip would add torchaudio 2.11 against torch
+2.13; it does not install cleanly beside this project on Python 3.11.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+ROOT = Path(__file__).resolve().parents[1]
+for path in (ROOT, ROOT / "benchmarks"):
+    if str(path) not in sys.path:  # run as a script from a checkout without installing the package
+        sys.path.insert(0, str(path))
+
+from bench_train import EOS, PAD, VOCAB, hf_model, tpe_model  # noqa: E402
+
+from tpe_train.config import EvalConfig  # noqa: E402
+from tpe_train.data.batching import pad  # noqa: E402
+from tpe_train.data.tokenizer import decode, encode, train_tokenizer  # noqa: E402
+from tpe_train.decoding import DecodeOptions, decode_sentences, read_lines, token_batches  # noqa: E402
+from tpe_train.model.transformer import Memory, Transformer  # noqa: E402
+from tpe_train.translate_cli import translate_stream  # noqa: E402
+
+DEFAULT_SOURCE = Path("../shared/data/newstest2014-en-de/newstest2014.en")
+EOS_PENALTY = 1e4
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="source file (default: %(default)s)")
+    p.add_argument("--target", type=Path, default=None, help="its reference, for the BPE (default: .de)")
+    p.add_argument("--lines", type=int, default=0, help="only the first N lines (0: all)")
+    p.add_argument("--rounds", type=int, default=3, help="timed passes over the file per side")
+    p.add_argument("--beam", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--json", type=Path, default=None, help="also write every number here")
+    return p.parse_args(argv)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def lower_eos(model: Transformer) -> Transformer:
+    """EOS is never chosen (its logit lowered by 10^4); the length limit still forces it at the end."""
+    inner = model.decode
+
+    def decode_(tgt_in: Tensor, memory: Memory, cache: Any = None) -> Tensor:
+        logits = inner(tgt_in, memory, cache)
+        logits[..., EOS] -= EOS_PENALTY
+        return logits
+
+    model.decode = decode_  # type: ignore[method-assign]
+    return model
+
+
+class ExactLength:
+    """Hugging Face logits processor: sentence b of the batch ends at decoder call ``calls[b]`` (EOS
+    removed before, forced there and after)."""
+
+    def __init__(self, calls: Tensor, beams: int) -> None:
+        self.calls = calls.repeat_interleave(beams)  # (B * K,) rows as generate lays them out
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        call = input_ids.shape[1]  # the decoder start token plus what was generated: this call's number
+        calls = self.calls.to(scores.device)
+        early = calls > call
+        scores[early, EOS] = float("-inf")
+        end = ~early
+        if bool(end.any()):
+            scores[end] = float("-inf")
+            scores[end, EOS] = 0.0
+        return scores
+
+
+def hf_translator(model: Any, tok: Any, options: DecodeOptions, device: torch.device) -> Callable[..., Any]:
+    from transformers import GenerationConfig, LogitsProcessorList
+
+    def translate(lines: list[str]) -> tuple[list[str], list[int]]:
+        seqs = [[*s, EOS] for s in encode(tok, lines)]
+        texts: list[str] = [""] * len(lines)
+        lengths = [0] * len(lines)
+        for batch in token_batches([len(s) for s in seqs], options.max_tokens, options.batch_size):
+            src = pad([seqs[i] for i in batch]).to(device)
+            calls = torch.tensor([len(seqs[i]) + 1 for i in batch])  # = tpe's limit: 1 * len + 1
+            config = GenerationConfig(
+                num_beams=options.beam,
+                length_penalty=options.alpha,
+                max_new_tokens=int(calls.max()),
+                do_sample=False,
+                early_stopping=False,
+                suppress_tokens=[PAD],
+                use_cache=True,
+                pad_token_id=PAD,
+                bos_token_id=1,
+                eos_token_id=EOS,
+                decoder_start_token_id=1,
+            )
+            with torch.inference_mode():
+                out = model.generate(
+                    input_ids=src,
+                    attention_mask=(src != PAD).long(),
+                    generation_config=config,
+                    logits_processor=LogitsProcessorList([ExactLength(calls, options.beam)]),
+                )
+            hyps = []
+            for row in out[:, 1:].tolist():
+                hyps.append(row[: row.index(EOS)] if EOS in row else [t for t in row if t != PAD])
+            for i, hyp, text in zip(batch, hyps, decode(tok, hyps), strict=True):
+                texts[i], lengths[i] = text, len(hyp)
+        return texts, lengths
+
+    return translate
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    torch.set_num_threads(args.threads)
+    if not args.source.is_file():
+        sys.exit(f"{args.source} not found: pass --source PATH (newstest2014.en of the shared data)")
+    target = args.target or args.source.with_suffix(".de")
+    lines = read_lines(args.source)
+    if args.lines:
+        lines = lines[: args.lines]
+    both = [*read_lines(args.source), *(read_lines(target) if target.is_file() else [])]
+    tok = train_tokenizer(both, VOCAB)
+    defaults = EvalConfig()
+    options = DecodeOptions(args.beam, 0.6, 1.0, 1, defaults.max_tokens, defaults.batch_size)
+    tpe = lower_eos(tpe_model("sinusoidal")).to(device).eval()
+    hf = hf_model("hf-marian").to(device).eval()
+    hf_translate = hf_translator(hf, tok, options, device)
+    src_tokens = sum(len(s) + 1 for s in encode(tok, lines))
+    load = os.getloadavg() if hasattr(os, "getloadavg") else None
+    env = {
+        "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+        "threads": torch.get_num_threads(),
+        "cpu": platform.processor() or platform.machine(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "loadavg_at_start": load,
+    }
+    print(f"env: {env}")
+    print(
+        f"source: {args.source} ({len(lines)} lines, {src_tokens} tokens with EOS, vocab "
+        f"{tok.get_vocab_size()}); beam {args.beam}, max_tokens {options.max_tokens}, batch_size "
+        f"{options.batch_size}; {args.rounds} rounds"
+    )
+
+    # one untimed pass each (warm-up; decode_sentences is what translate_stream runs), which also checks
+    # that both sides decode the same lengths
+    tpe_lengths = [t.output_tokens for t in decode_sentences(tpe, tok, lines, options)]
+    hf_lines, hf_lengths = hf_translate(lines)
+    assert len(hf_lines) == len(lines)
+    same = tpe_lengths == hf_lengths
+    expected = [len(s) + 1 for s in encode(tok, lines)]  # n tokens + EOS in: n + 1 out (EOS not counted)
+    print(f"output tokens per sentence equal on both sides: {same}; as planned: {tpe_lengths == expected}")
+    out_tokens = sum(tpe_lengths)
+
+    times: dict[str, list[float]] = {"tpe-translate": [], "hf-generate": []}
+    runs: dict[str, Callable[[], Any]] = {
+        "tpe-translate": lambda: translate_stream(tpe, tok, iter(lines), io.StringIO(), options),
+        "hf-generate": lambda: hf_translate(lines),
+    }
+    order = list(runs)
+    for r in range(args.rounds):
+        for name in order if r % 2 == 0 else order[::-1]:
+            sync(device)
+            t0 = time.perf_counter()
+            runs[name]()
+            sync(device)
+            times[name].append(time.perf_counter() - t0)
+            print(f"  round {r + 1}: {name} {times[name][-1]:.1f} s", file=sys.stderr, flush=True)
+    rows = []
+    for name, ts in times.items():
+        median = statistics.median(ts)
+        rows.append({"name": name, "seconds": median, "sentences_per_s": len(lines) / median,
+                     "output_tokens_per_s": (out_tokens + len(lines)) / median, "all": ts})  # fmt: skip
+    ratio = rows[1]["seconds"] / rows[0]["seconds"]
+    print(f"\n{'':16}{'s/pass':>10}{'sentences/s':>14}{'tokens/s':>12}")
+    for row in rows:
+        print(
+            f"{row['name']:16}{row['seconds']:>10.2f}{row['sentences_per_s']:>14.1f}"
+            f"{row['output_tokens_per_s']:>12.0f}"
+        )
+    print(f"tpe-translate / HF generate: {ratio:.2f}x sentences/s (tokens/s: output tokens + EOS)")
+    if hasattr(os, "getloadavg"):
+        env["loadavg_at_end"] = os.getloadavg()
+        print(f"load average at start {env['loadavg_at_start']}, at end {env['loadavg_at_end']}")
+    if args.json:
+        payload = {"env": env, "lines": len(lines), "source_tokens": src_tokens, "output_tokens": out_tokens,
+                   "same_lengths": same, "rows": rows, "ratio": ratio}  # fmt: skip
+        args.json.write_text(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()
