@@ -197,49 +197,67 @@ def main(argv: list[str] | None = None) -> None:
         f"{options.batch_size}; {args.rounds} rounds"
     )
 
-    # one untimed pass each (warm-up; decode_sentences is what translate_stream runs), which also checks
-    # that both sides decode the same lengths
-    tpe_lengths = [t.output_tokens for t in decode_sentences(tpe, tok, lines, options)]
-    hf_lines, hf_lengths = hf_translate(lines)
-    assert len(hf_lines) == len(lines)
-    same = tpe_lengths == hf_lengths
-    expected = [len(s) + 1 for s in encode(tok, lines)]  # n tokens + EOS in: n + 1 out (EOS not counted)
-    print(f"output tokens per sentence equal on both sides: {same}; as planned: {tpe_lengths == expected}")
-    out_tokens = sum(tpe_lengths)
+    # warm-up on the first lines (decode_sentences is what translate_stream runs), which also checks
+    # sentence by sentence that both sides decode the planned lengths: n source tokens (EOS included) in,
+    # n tokens + EOS out
+    expected = [len(s) + 1 for s in encode(tok, lines)]
+    head = lines[:32]
+    tpe_lengths = [t.output_tokens for t in decode_sentences(tpe, tok, head, options)]
+    hf_lengths = hf_translate(head)[1]
+    same = tpe_lengths == hf_lengths == expected[: len(head)]
+    print(f"warm-up, {len(head)} lines: output tokens per sentence as planned on both sides: {same}")
+    out_tokens = sum(expected)
+
+    def tpe_pass() -> int:
+        return translate_stream(tpe, tok, iter(lines), io.StringIO(), options).output_tokens
+
+    def hf_pass() -> int:
+        lengths = hf_translate(lines)[1]
+        assert lengths == expected, "Hugging Face decoded other lengths than planned"
+        return sum(lengths)
 
     times: dict[str, list[float]] = {"tpe-translate": [], "hf-generate": []}
-    runs: dict[str, Callable[[], Any]] = {
-        "tpe-translate": lambda: translate_stream(tpe, tok, iter(lines), io.StringIO(), options),
-        "hf-generate": lambda: hf_translate(lines),
-    }
+    cpu: dict[str, list[float]] = {"tpe-translate": [], "hf-generate": []}
+    runs: dict[str, Callable[[], int]] = {"tpe-translate": tpe_pass, "hf-generate": hf_pass}
     order = list(runs)
     for r in range(args.rounds):
         for name in order if r % 2 == 0 else order[::-1]:
             sync(device)
-            t0 = time.perf_counter()
-            runs[name]()
+            t0, c0 = time.perf_counter(), time.process_time()
+            tokens = runs[name]()
             sync(device)
             times[name].append(time.perf_counter() - t0)
-            print(f"  round {r + 1}: {name} {times[name][-1]:.1f} s", file=sys.stderr, flush=True)
+            cpu[name].append(time.process_time() - c0)
+            assert tokens == out_tokens, f"{name}: {tokens} output tokens, planned {out_tokens}"
+            print(
+                f"  round {r + 1}: {name} {times[name][-1]:.1f} s (process CPU {cpu[name][-1]:.1f} s)",
+                file=sys.stderr,
+                flush=True,
+            )
     rows = []
     for name, ts in times.items():
         median = statistics.median(ts)
-        rows.append({"name": name, "seconds": median, "sentences_per_s": len(lines) / median,
+        rows.append({"name": name, "seconds": median, "cpu_seconds": statistics.median(cpu[name]),
+                     "sentences_per_s": len(lines) / median,
                      "output_tokens_per_s": (out_tokens + len(lines)) / median, "all": ts})  # fmt: skip
     ratio = rows[1]["seconds"] / rows[0]["seconds"]
-    print(f"\n{'':16}{'s/pass':>10}{'sentences/s':>14}{'tokens/s':>12}")
+    cpu_ratio = rows[1]["cpu_seconds"] / rows[0]["cpu_seconds"]
+    print(f"\n{'':16}{'s/pass':>10}{'CPU s/pass':>12}{'sentences/s':>14}{'tokens/s':>12}")
     for row in rows:
         print(
-            f"{row['name']:16}{row['seconds']:>10.2f}{row['sentences_per_s']:>14.1f}"
+            f"{row['name']:16}{row['seconds']:>10.2f}{row['cpu_seconds']:>12.2f}{row['sentences_per_s']:>14.2f}"
             f"{row['output_tokens_per_s']:>12.0f}"
         )
-    print(f"tpe-translate / HF generate: {ratio:.2f}x sentences/s (tokens/s: output tokens + EOS)")
+    print(
+        f"tpe-translate / HF generate: {ratio:.2f}x sentences/s (wall, median pass), {cpu_ratio:.2f}x by "
+        "process CPU time; tokens/s count output tokens + EOS; every sentence decoded to the planned length"
+    )
     if hasattr(os, "getloadavg"):
         env["loadavg_at_end"] = os.getloadavg()
         print(f"load average at start {env['loadavg_at_start']}, at end {env['loadavg_at_end']}")
     if args.json:
         payload = {"env": env, "lines": len(lines), "source_tokens": src_tokens, "output_tokens": out_tokens,
-                   "same_lengths": same, "rows": rows, "ratio": ratio}  # fmt: skip
+                   "same_lengths": same, "rows": rows, "ratio": ratio, "cpu_ratio": cpu_ratio}  # fmt: skip
         args.json.write_text(json.dumps(payload, indent=2))
 
 

@@ -12,11 +12,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from sacrebleu.metrics import BLEU
+from sacrebleu.significance import PairedTest
 
 from tpe_train.checkpoint import build_model, load_export, save_export
 from tpe_train.decoding import read_lines, token_batches
 from tpe_train.evaluate import EvalFiles, config_sets
 from tpe_train.evaluate import main as eval_main
+from tpe_train.metrics import paired_bootstrap
 from tpe_train.translate_cli import main as translate_main
 
 # The demo preset at a small size, learned positions of 48 rows (so a long line is too long for it).
@@ -115,8 +118,10 @@ def test_nbest_lists_are_sorted_and_begin_with_the_best(
     src = tmp_path / "some.src"
     src.write_text("".join(line + "\n" for line in read_lines(test_files[0])[:12]))
     ckpt = str(run_dir / "checkpoint")
-    assert translate_main(["--checkpoint", ckpt, "-i", str(src), "--beam", "4"]) == 0
-    best = capsys.readouterr().out.splitlines()
+    assert translate_main(["--checkpoint", ckpt, "-i", str(src), "--beam", "4", "--progress"]) == 0
+    captured = capsys.readouterr()
+    best = captured.out.splitlines()
+    assert "12/12" in captured.err and "sent/s" in captured.err  # the progress bar, forced on
     assert translate_main(["--checkpoint", ckpt, "-i", str(src), "--beam", "4", "--nbest", "3"]) == 0
     rows = [line.split("\t") for line in capsys.readouterr().out.splitlines()]
     assert len(rows) == 36 and all(len(row) == 3 for row in rows)
@@ -251,3 +256,25 @@ def test_paired_bootstrap_tells_positions_from_none_and_a_model_from_itself(
     assert eval_main([*itself, "--samples", "200"]) == 0
     table = capsys.readouterr().out
     assert "paired bootstrap resampling, 200 resamples" in table and "bs:200|seed:12345" in table
+
+
+def test_paired_bootstrap_is_sacrebleus_except_for_equal_scores() -> None:
+    refs = [f"the cat number {i} sat on the mat today ." for i in range(40)]
+    worse = [f"a cat number {i} sat on a mat ." for i in range(40)]
+    better = [r if i % 3 else f"the cat {i} sat on the mat ." for i, r in enumerate(refs)]
+
+    def sacrebleu_p(system: list[str], baseline: list[str]) -> float:
+        test = PairedTest([("b", baseline), ("s", system)], {"BLEU": BLEU(force=True)}, [refs], "bs", 1000)
+        _, scores = test()
+        result = scores["BLEU"][1]
+        assert not isinstance(result, str) and result.p_value is not None
+        return result.p_value
+
+    ours = paired_bootstrap(better, worse, refs).metrics["bleu"]
+    assert ours.delta > 0 and ours.p_value < 0.05
+    assert ours.p_value == pytest.approx(sacrebleu_p(better, worse))
+    # BLEU 0 on both sides in every resample (no 4-gram matches): sacreBLEU calls the tie significant
+    zero_a, zero_b = ["mat the"] * 40, ["cat a"] * 40
+    assert sacrebleu_p(zero_a, zero_b) == pytest.approx(1 / 1001)
+    tie = paired_bootstrap(zero_a, zero_b, refs).metrics["bleu"]
+    assert tie.delta == 0 and tie.p_value == 1.0

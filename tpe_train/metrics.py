@@ -268,9 +268,11 @@ def paired_bootstrap(
     with sacreBLEU's fixed seed (``SACREBLEU_SEED``, default 12345): the same inputs give the same
     p-values.
 
-    One correction: sacreBLEU counts resamples whose centred difference is *strictly* larger than the
-    observed one, so two systems that agree on every sentence (every difference 0) get p = 1 / (samples
-    + 1), "significant". Identical hypotheses are no evidence of a difference: their p-value is 1."""
+    One correction: sacreBLEU counts the resamples whose centred difference is *strictly* larger than the
+    observed one. When every resample gives both systems the same score (identical hypotheses, or a BLEU
+    of 0 on both sides throughout) all of them tie with an observed difference of 0 and sacreBLEU returns
+    p = 1 / (samples + 1), "significant". An observed difference of exactly 0 is no evidence of a
+    difference: its p-value is 1 here."""
     if not len(system) == len(baseline) == len(refs):
         raise ValueError(
             f"a paired test needs one hypothesis of each system per reference: {len(system)} system, "
@@ -287,7 +289,6 @@ def paired_bootstrap(
         n_samples=samples,
     )
     signatures, scores = test()
-    identical = list(system) == list(baseline)
     out: dict[str, Paired] = {}
     for key, name in PAIRED_METRICS.items():
         base, sys_ = scores[name]
@@ -295,7 +296,6 @@ def paired_bootstrap(
         values = (sys_.mean, sys_.ci, base.mean, base.ci, sys_.p_value)
         assert all(v is not None for v in values), values  # a bootstrap test fills them all
         s_mean, s_ci, b_mean, b_ci, p = (float(v or 0.0) for v in values)
-        out[key] = Paired(
-            float(sys_.score), s_mean, s_ci, float(base.score), b_mean, b_ci, 1.0 if identical else p
-        )
+        tie = float(sys_.score) == float(base.score)
+        out[key] = Paired(float(sys_.score), s_mean, s_ci, float(base.score), b_mean, b_ci, 1.0 if tie else p)
     return PairedResult(out, {k: str(signatures[n]) for k, n in PAIRED_METRICS.items()}, len(refs), samples)
