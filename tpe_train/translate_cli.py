@@ -194,8 +194,11 @@ def translate_stream(
 
 def _count_lines(path: str) -> int:
     """Lines of a file, every one checked for UTF-8 before any work (``InputError`` names the line)."""
-    with open(path, "rb") as f:
-        return sum(1 for _ in utf8_lines(f, path))
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in utf8_lines(f, path))
+    except OSError as err:
+        raise InputError(f"-i {path}: {err.strerror}; pass a UTF-8 text file, or - for stdin") from None
 
 
 @contextlib.contextmanager
@@ -228,9 +231,6 @@ def main(argv: list[str] | None = None) -> int:
         options = decode_options(args, DecodeOptions.of(cfg.eval))
     except (FileNotFoundError, ValueError, ConfigError) as err:  # InputError included
         print(f"tpe-translate: {err}", file=sys.stderr)
-        return 2
-    except OSError as err:
-        print(f"tpe-translate: cannot read {args.input}: {err.strerror}", file=sys.stderr)
         return 2
     threads = args.threads or cfg.train.threads
     if threads:

@@ -170,11 +170,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tpe-study: unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     from tpe_train.exits import EXIT_PREEMPTED
-    from tpe_train.study.runner import Preempted
+    from tpe_train.study.runner import StudyPreempted
 
     try:
         return command(argv[1:])
-    except Preempted as err:
+    except StudyPreempted as err:
         print(f"tpe-study {argv[0]}: {err}", file=sys.stderr)
         return EXIT_PREEMPTED
     except KeyboardInterrupt:

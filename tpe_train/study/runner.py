@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 Print = Callable[[str], None]
 
 
-class Preempted(StudyError):
+class StudyPreempted(StudyError):
     """A run saved its checkpoint after SIGTERM / SIGUSR1: the study stops; the same command resumes."""
 
 
@@ -114,7 +114,7 @@ def run_local(
             pool.shutdown(wait=True, cancel_futures=True)
             raise
     if preempted:
-        raise Preempted(
+        raise StudyPreempted(
             f"{', '.join(preempted)} was preempted (checkpoint saved); run the same tpe-study command again "
             "to resume it and the rest of the study"
         )
