@@ -224,6 +224,22 @@ def test_report_means_deviations_and_unrepresentable_lengths(tmp_path: Path) -> 
     assert summary["baseline"] == "rope" and summary["settings"]["learned"]["paired"]["per_seed"] == {}
 
 
+def test_study_modules_call_libraries_and_share_types_below_report_and_plots() -> None:
+    """The runner imports no command line's ``main``; plots and results never import report."""
+    import ast
+
+    import tpe_train.study as study_pkg
+
+    folder = Path(study_pkg.__file__).parent
+    for name in ("runner.py", "results.py", "plots.py", "report.py", "grid.py"):
+        tree = ast.parse((folder / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                assert "main" not in [a.name for a in node.names], f"{name} imports {node.module}.main"
+                if name in ("results.py", "plots.py"):
+                    assert node.module != "tpe_train.study.report", f"{name} imports report"
+
+
 def test_position_similarity_is_cosine_between_rows() -> None:
     table = torch.tensor([[1.0, 0.0], [0.0, 2.0], [-3.0, 0.0]])
     assert _cosine(table).tolist() == [[1.0, 0.0, -1.0], [0.0, 1.0, 0.0], [-1.0, 0.0, 1.0]]
