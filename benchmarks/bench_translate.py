@@ -22,13 +22,17 @@ Face's MarianMT (sinusoidal too), both in eval mode, fp32.
   length_penalty=0.6, suppress_tokens=[pad])`` per batch, detokenised and put back in input order.
 
 Random weights stop at arbitrary lengths, so (as ``bench_train.py`` does for fixed-length batches) both
-sides are made to decode exactly the same number of steps per sentence: a source of n tokens (EOS
-included) gets n output tokens + EOS, i.e. n + 1 decoder calls (tpe_train's length limit with
-max_len_a 1, max_len_b 1). tpe_train: the EOS logit is lowered by 10^4 before the limit (it is never
-chosen; the limit then forces it, as for any sentence); Hugging Face: a logits processor removes EOS
-before step n + 1 of each sentence and forces it there. Each side keeps its own batch behaviour:
-tpe_train drops a finished sentence from its batch, Hugging Face pads it until the batch is done. The
-output lengths of both sides are checked equal sentence by sentence.
+sides are made to decode exactly the same number of steps per sentence, chosen as a trained model would
+roughly stop: sentence i gets as many output tokens as its reference translation has (newstest2014.de,
+same BPE), then EOS (``--lengths reference``, the default). Batches are cut by source length, so the
+output lengths within a batch vary as they do in real decoding. ``--lengths source`` instead gives every
+sentence as many output tokens as its source has (EOS included): sentences of one batch then end almost
+together, which leaves only the per-step cost to compare. tpe_train: the EOS logit is lowered by 10^4
+(never chosen) and the beam search's length limit (``generate._max_lengths``, patched here) is the
+planned length, where the search forces EOS as it does for any sentence; Hugging Face: a logits
+processor removes EOS before the planned step of each sentence and forces it there. Each side keeps its
+own batch behaviour: tpe_train drops a finished sentence from its batch, Hugging Face pads it until the
+batch is done. Both sides' output lengths are checked against the plan, sentence by sentence.
 
 Rounds alternate the two sides (order swapped every round); reported: median seconds per pass over the
 file, sentences/s, output tokens/s and the ratio tpe / HF (> 1: tpe-translate faster).
@@ -66,6 +70,7 @@ from tpe_train.config import EvalConfig  # noqa: E402
 from tpe_train.data.batching import pad  # noqa: E402
 from tpe_train.data.tokenizer import decode, encode, train_tokenizer  # noqa: E402
 from tpe_train.decoding import DecodeOptions, decode_sentences, read_lines, token_batches  # noqa: E402
+from tpe_train.model import generate  # noqa: E402
 from tpe_train.model.transformer import Memory, Transformer  # noqa: E402
 from tpe_train.translate_cli import translate_stream  # noqa: E402
 
@@ -76,8 +81,14 @@ EOS_PENALTY = 1e4
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--source", type=Path, default=DEFAULT_SOURCE, help="source file (default: %(default)s)")
-    p.add_argument("--target", type=Path, default=None, help="its reference, for the BPE (default: .de)")
+    p.add_argument("--target", type=Path, default=None, help="its reference (default: the .de beside it)")
     p.add_argument("--lines", type=int, default=0, help="only the first N lines (0: all)")
+    p.add_argument(
+        "--lengths",
+        choices=["reference", "source"],
+        default="reference",
+        help="output tokens per sentence: its reference's (default) or its source's",
+    )
     p.add_argument("--rounds", type=int, default=3, help="timed passes over the file per side")
     p.add_argument("--beam", type=int, default=4)
     p.add_argument("--threads", type=int, default=2)
@@ -104,6 +115,17 @@ def lower_eos(model: Transformer) -> Transformer:
     return model
 
 
+def plan_lengths(planned: dict[tuple[int, ...], int]) -> None:
+    """tpe_train's beam search ends each sentence after its planned output tokens: the length limit
+    (decoder calls, EOS included) of a source row is looked up by its tokens."""
+
+    def limits(model: Transformer, src: Tensor, max_len_a: float, max_len_b: int) -> Tensor:
+        rows = [tuple(t for t in row if t != PAD)[:-1] for row in src.tolist()]  # without pad and EOS
+        return torch.tensor([planned[row] + 1 for row in rows], device=src.device)
+
+    generate._max_lengths = limits  # type: ignore[assignment]
+
+
 class ExactLength:
     """Hugging Face logits processor: sentence b of the batch ends at decoder call ``calls[b]`` (EOS
     removed before, forced there and after)."""
@@ -123,7 +145,9 @@ class ExactLength:
         return scores
 
 
-def hf_translator(model: Any, tok: Any, options: DecodeOptions, device: torch.device) -> Callable[..., Any]:
+def hf_translator(
+    model: Any, tok: Any, options: DecodeOptions, device: torch.device, planned: dict[tuple[int, ...], int]
+) -> Callable[..., Any]:
     from transformers import GenerationConfig, LogitsProcessorList
 
     def translate(lines: list[str]) -> tuple[list[str], list[int]]:
@@ -132,7 +156,7 @@ def hf_translator(model: Any, tok: Any, options: DecodeOptions, device: torch.de
         lengths = [0] * len(lines)
         for batch in token_batches([len(s) for s in seqs], options.max_tokens, options.batch_size):
             src = pad([seqs[i] for i in batch]).to(device)
-            calls = torch.tensor([len(seqs[i]) + 1 for i in batch])  # = tpe's limit: 1 * len + 1
+            calls = torch.tensor([planned[tuple(seqs[i][:-1])] + 1 for i in batch])  # tokens + EOS
             config = GenerationConfig(
                 num_beams=options.beam,
                 length_penalty=options.alpha,
@@ -170,6 +194,8 @@ def main(argv: list[str] | None = None) -> None:
     if not args.source.is_file():
         sys.exit(f"{args.source} not found: pass --source PATH (newstest2014.en of the shared data)")
     target = args.target or args.source.with_suffix(".de")
+    if args.lengths == "reference" and not target.is_file():
+        sys.exit(f"{target} not found: --lengths reference needs the reference (--target PATH)")
     lines = read_lines(args.source)
     if args.lines:
         lines = lines[: args.lines]
@@ -177,9 +203,20 @@ def main(argv: list[str] | None = None) -> None:
     tok = train_tokenizer(both, VOCAB)
     defaults = EvalConfig()
     options = DecodeOptions(args.beam, 0.6, 1.0, 1, defaults.max_tokens, defaults.batch_size)
+    sources = encode(tok, lines)
+    if args.lengths == "reference":
+        refs = encode(tok, read_lines(target)[: len(lines)])
+        lengths = [max(1, len(r)) for r in refs]
+    else:
+        lengths = [len(s) + 1 for s in sources]
+    planned: dict[tuple[int, ...], int] = {}
+    for seq, n in zip(sources, lengths, strict=True):
+        planned.setdefault(tuple(seq), n)  # a source that occurs twice keeps its first plan
+    expected = [planned[tuple(seq)] for seq in sources]  # output tokens per sentence, EOS excluded
+    plan_lengths(planned)
     tpe = lower_eos(tpe_model("sinusoidal")).to(device).eval()
     hf = hf_model("hf-marian").to(device).eval()
-    hf_translate = hf_translator(hf, tok, options, device)
+    hf_translate = hf_translator(hf, tok, options, device, planned)
     src_tokens = sum(len(s) + 1 for s in encode(tok, lines))
     load = os.getloadavg() if hasattr(os, "getloadavg") else None
     env = {
@@ -194,13 +231,12 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"source: {args.source} ({len(lines)} lines, {src_tokens} tokens with EOS, vocab "
         f"{tok.get_vocab_size()}); beam {args.beam}, max_tokens {options.max_tokens}, batch_size "
-        f"{options.batch_size}; {args.rounds} rounds"
+        f"{options.batch_size}; {args.rounds} rounds; output lengths: the {args.lengths}'s "
+        f"({sum(expected)} tokens + EOS per sentence)"
     )
 
     # warm-up on the first lines (decode_sentences is what translate_stream runs), which also checks
-    # sentence by sentence that both sides decode the planned lengths: n source tokens (EOS included) in,
-    # n tokens + EOS out
-    expected = [len(s) + 1 for s in encode(tok, lines)]
+    # sentence by sentence that both sides decode the planned lengths
     head = lines[:32]
     tpe_lengths = [t.output_tokens for t in decode_sentences(tpe, tok, head, options)]
     hf_lengths = hf_translate(head)[1]
