@@ -19,7 +19,15 @@ import torch
 from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tpe_train.evaluate import compound_split, moses_tokenize, tokenized_bleu
+from tpe_train.decoding import read_lines
+from tpe_train.evaluate import EvalFiles
+from tpe_train.metrics import (
+    compound_split,
+    lc_tokenized_bleu,
+    moses_tokenize,
+    paired_bootstrap,
+    tokenized_bleu,
+)
 from tpe_train.study.cli import main
 from tpe_train.study.grid import Setting, Study, parse_seeds, parse_setting, setting_of
 from tpe_train.study.plots import _cosine
@@ -81,6 +89,22 @@ def test_tokenized_bleu_by_hand() -> None:
     assert tokenized_bleu(ref, ref, "de")[0] == pytest.approx(100.0)
 
 
+def test_lowercased_tokenized_bleu_by_hand() -> None:
+    """The Multi30k literature's BLEU: Moses-tokenized, no compound splitting, lowercased (multi-bleu -lc)."""
+    ref = ["Ein Mann fährt ein E-Bike."]
+    hyp = ["ein mann fährt ein e-bike ."]
+    score, method = lc_tokenized_bleu(hyp, ref, "de")
+    assert method == "moses-tok:de|multi-bleu -lc" and score == pytest.approx(100.0)
+    assert tokenized_bleu(hyp, ref, "de", split_compounds=False)[0] < 50  # cased: Ein/ein, Mann/mann differ
+    # hyp: ein mann fährt ein . (5 tokens), ref 6: matches 5/5, 3/4, 2/3, 1/2; brevity exp(1 - 6/5)
+    expected = 100 * math.exp(1 - 6 / 5) * (1 * 3 / 4 * 2 / 3 * 1 / 2) ** 0.25
+    assert lc_tokenized_bleu(["Ein Mann fährt ein."], ref, "de")[0] == pytest.approx(expected, rel=1e-9)
+    # upper case throughout: only "!" against "." differs; 5/6, 4/5, 3/4, 2/3
+    expected = 100 * (5 / 6 * 4 / 5 * 3 / 4 * 2 / 3) ** 0.25
+    shouted = ["EIN MANN FÄHRT EIN E-BIKE !"]
+    assert lc_tokenized_bleu(shouted, ref, "de")[0] == pytest.approx(expected, rel=1e-9)
+
+
 # ---------------------------------------------------------------------------------------------------
 # Settings, seeds and the errors of tpe-study
 
@@ -140,7 +164,8 @@ def test_slurm_submission_is_one_array_per_seed_and_variant(
     # averaging: one eval job per run after its own array element
     assert text.count("tpe-ckpt average") == 6
     assert "#SBATCH --dependency=afterok:<array job>_6" in text
-    assert f"{out.resolve()}/runs/s1/rope/averaged-last5/eval.json" in text
+    averaged = out.resolve() / "runs/s1/rope/averaged-last5"  # its figures and test hypotheses
+    assert f"tpe-eval --checkpoint {averaged} --json --out {averaged}" in text
     assert not out.exists()  # a dry run writes nothing
 
 
@@ -194,6 +219,25 @@ def test_report_means_deviations_and_unrepresentable_lengths(tmp_path: Path) -> 
         assert (study.report_dir / f"{stem}.png").read_bytes().startswith(PNG)
     # no exported checkpoints here: the heat map is left out, and the report says so
     assert "no exported `learned` checkpoint yet" in report
+    # nor kept hypotheses: no paired tests against the baseline (rope: the first setting, no sinusoidal)
+    assert "## Paired significance against `rope`" in report and "no paired tests" in report
+    assert summary["baseline"] == "rope" and summary["settings"]["learned"]["paired"]["per_seed"] == {}
+
+
+def test_study_modules_call_libraries_and_share_types_below_report_and_plots() -> None:
+    """The runner imports no command line's ``main``; plots and results never import report."""
+    import ast
+
+    import tpe_train.study as study_pkg
+
+    folder = Path(study_pkg.__file__).parent
+    for name in ("runner.py", "results.py", "plots.py", "report.py", "grid.py"):
+        tree = ast.parse((folder / name).read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                assert "main" not in [a.name for a in node.names], f"{name} imports {node.module}.main"
+                if name in ("results.py", "plots.py"):
+                    assert node.module != "tpe_train.study.report", f"{name} imports report"
 
 
 def test_position_similarity_is_cosine_between_rows() -> None:
@@ -299,7 +343,10 @@ def test_interrupting_parallel_runs_stops_them_and_starts_no_more(tmp_path: Path
 
 def test_study_writes_the_table_of_means_and_deviations(study_dir: Path) -> None:
     report = (study_dir / "report" / "report.md").read_text()
-    assert "| setting | seeds | BLEU | chrF | exact match | word-order probe | 1-6 | 7-12 | 13+ † |" in report
+    assert (
+        "| setting | seeds | BLEU | chrF | exact match | word-order probe | BLEU vs `sinusoidal` | chrF "
+        "| 1-6 | 7-12 | 13+ † |" in report
+    )
     assert "4 of 4 runs have figures" in report and "at most 12 words" in report
     assert "averaged over the last 2 checkpoints" in report
     evals = {k: [json.loads((study_dir / f"runs/s{s}/{k}/averaged-last2/eval.json").read_text())
@@ -311,6 +358,40 @@ def test_study_writes_the_table_of_means_and_deviations(study_dir: Path) -> None
         assert summary[kind]["bleu"]["sd"] == pytest.approx(statistics.stdev(bleus))
         row = next(line for line in report.splitlines() if line.startswith(f"| `{kind}` | 2 |"))
         assert f"{statistics.fmean(bleus):.1f} ± {statistics.stdev(bleus):.1f}" in row
+
+
+def test_report_pairs_every_setting_with_the_baseline_per_seed_and_pooled(study_dir: Path) -> None:
+    """The paired bootstrap of learned against sinusoidal (the default baseline) uses the test hypotheses
+    each averaged model's evaluation kept: seed with seed, and all seeds' sentences pooled."""
+    summary = json.loads((study_dir / "report" / "summary.json").read_text())
+    assert summary["baseline"] == "sinusoidal" and summary["settings"]["sinusoidal"]["paired"] is None
+    paired = summary["settings"]["learned"]["paired"]
+    kept = {}
+    for kind in ("sinusoidal", "learned"):
+        for seed in (1, 2):
+            files = EvalFiles(study_dir / f"runs/s{seed}/{kind}/averaged-last2")
+            assert files.read_figures() is not None
+            hyps, refs = files.read_set("test") or ([], [])
+            assert len(hyps) == len(refs) == 20 and refs == read_lines(files.references("test"))
+            kept[kind, seed] = hyps, refs
+    pooled: list[list[str]] = [[], [], []]
+    for seed in (1, 2):
+        (mine, refs), (theirs, _) = kept["learned", seed], kept["sinusoidal", seed]
+        expected = paired_bootstrap(mine, theirs, refs)
+        for key in ("bleu", "chrf"):
+            assert paired["per_seed"][str(seed)][key] == pytest.approx(expected.metrics[key].as_dict())
+        for part, lines in zip(pooled, (mine, theirs, refs), strict=True):
+            part += lines
+    expected = paired_bootstrap(*pooled)
+    assert paired["pooled"]["sentences"] == 40
+    for key in ("bleu", "chrf"):
+        assert paired["pooled"][key] == pytest.approx(expected.metrics[key].as_dict())
+    report = (study_dir / "report" / "report.md").read_text()
+    assert "## Paired significance against `sinusoidal`" in report
+    assert "| `learned` | pooled (1, 2) |" in report
+    row = next(line for line in report.splitlines() if line.startswith("| `learned` | 2 |"))
+    delta, p = expected.metrics["bleu"].delta, expected.metrics["bleu"].p_value
+    assert f"| {delta:+.1f} (p {'< 0.001' if p < 0.001 else f'{p:.3f}'}) |" in row
 
 
 def test_study_plots_are_png_files_and_tensorboard_images(study_dir: Path) -> None:

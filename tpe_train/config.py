@@ -382,7 +382,10 @@ class EvalConfig(Section):
     max_len_b: int = Field(50, ge=1)
     """Maximum output length = a * source length + b."""
     batch_size: int = Field(128, ge=1)
-    """Sentences per decoding batch."""
+    """Sentences per decoding batch at most."""
+    max_tokens: int = Field(6000, ge=1)
+    """Padded source tokens (EOS included) per decoding batch at most; batches are cut after sorting
+    the sentences by length."""
     length_buckets: list[int] = Field(default_factory=lambda: [10, 20, 30, 40])
     """Upper edges (source words) of the length buckets BLEU is reported for; a last open bucket follows."""
     at_end: bool = True

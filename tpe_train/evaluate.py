@@ -1,369 +1,405 @@
-"""Translate and score: sacreBLEU (with signature), chrF, exact match, word-order probe accuracy,
-BLEU by source-length bucket, and the papers' tokenized BLEU with compound splitting (real corpora).
-``tpe-eval --checkpoint DIR [--json]``."""
+"""Evaluate a model on a list of test sets, keep what was scored, compare two models.
+
+``evaluate`` is the one evaluation: training's final evaluation, ``tpe-eval`` and the study call it. It
+decodes every test set (``decoding.decode_sentences``) and scores it (``metrics``): sacreBLEU (with
+signature), chrF, exact match, word-order probe accuracy (synthetic corpus), BLEU by source-length
+bucket (over the test set and, synthetic, sentences longer than any in training), and on real corpora
+the papers' tokenized BLEU (compound-split, cased) and the Multi30k literature's (lowercased).
+``EvalFiles`` names what evaluation keeps on disk: the figures and every set's hypotheses, so that
+significance tests pair runs without decoding again.
+
+    tpe-eval --checkpoint DIR                                  # the config's test split: table
+    tpe-eval --checkpoint DIR --split test_2016_flickr,test_2017_flickr --json
+    tpe-eval --checkpoint DIR --src newstest2014.en --ref newstest2014.de
+    tpe-eval --checkpoint A --compare B                        # paired bootstrap, BLEU and chrF
+"""
 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
+import os
 import re
 import sys
-import unicodedata
-from collections.abc import Callable
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
-from sacrebleu.metrics import BLEU, CHRF
 from tokenizers import Tokenizer
 
-from tpe_train.config import ConfigError, EvalConfig
-from tpe_train.data.batching import EOS_ID, pad
-from tpe_train.data.corpus import Splits, test_splits
-from tpe_train.data.tokenizer import decode, encode
-from tpe_train.model.generate import beam_search, greedy
+from tpe_train import metrics
+from tpe_train.config import ConfigError, DataConfig, EvalConfig
+from tpe_train.data.corpus import Splits, pairs_of, synthetic_splits, test_splits
+from tpe_train.data.sources import CorpusError, load_split
+from tpe_train.data.synthetic import Pair
+from tpe_train.decoding import DecodeOptions, InputError, decode_sentences, device_from_arg, read_lines
 from tpe_train.model.transformer import Transformer
 
 
-def translate(
-    model: Transformer,
-    tok: Tokenizer,
-    sources: list[str],
-    ecfg: EvalConfig,
-    beam: int | None = None,
-) -> list[str | None]:
-    """Translate ``sources``; ``None`` for a source longer than the encoder can represent."""
-    beam = ecfg.beam if beam is None else beam
-    ids = [[*s, EOS_ID] for s in encode(tok, sources)]
-    limit = model.max_source_length()
-    out: list[str | None] = [None] * len(sources)
-    todo = [i for i, s in enumerate(ids) if limit is None or len(s) <= limit]
-    todo.sort(key=lambda i: len(ids[i]))  # similar lengths share a batch: little padding
-    was_training = model.training
-    model.eval()
-    device = next(model.parameters()).device
-    for start in range(0, len(todo), ecfg.batch_size):
-        chunk = todo[start : start + ecfg.batch_size]
-        src = pad([ids[i] for i in chunk]).to(device)
-        if beam == 1:
-            hyps = greedy(model, src, ecfg.max_len_a, ecfg.max_len_b)
+@dataclass
+class TestSet:
+    """Pairs to score under one name. ``long`` (sentences longer than any in training) and ``probe``
+    (word-order minimal pairs as rows 2i, 2i+1) accompany the synthetic corpus's test split."""
+
+    name: str
+    pairs: list[Pair]
+    long: list[Pair] = field(default_factory=list)
+    probe: list[Pair] = field(default_factory=list)
+    pretokenized: bool = False  # text is split into words already (the synthetic corpus)
+
+
+def config_sets(cfg: DataConfig, splits: Splits | None = None) -> list[TestSet]:
+    """The config's test split (``data.test_split``), from ``splits`` when the corpus is loaded."""
+    s = splits if splits is not None else test_splits(cfg)
+    return [TestSet(cfg.test_split, s.test, s.long, s.probe, s.pretokenized)]
+
+
+def corpus_sets(cfg: DataConfig, names: Sequence[str]) -> list[TestSet]:
+    """Named splits of the config's corpus, each a test set (``CorpusError`` for a missing one)."""
+    if cfg.corpus != "synthetic":
+        return [TestSet(name, pairs_of(load_split(cfg.source(), name))) for name in names]
+    splits = synthetic_splits(cfg)
+    known = {cfg.train_split: splits.train, cfg.valid_split: splits.valid}
+    sets = []
+    for name in names:
+        if name == cfg.test_split:
+            sets += config_sets(cfg, splits)
+        elif name in known:
+            sets.append(TestSet(name, pairs_of(known[name]), pretokenized=True))
         else:
-            hyps = beam_search(model, src, beam, ecfg.alpha, ecfg.max_len_a, ecfg.max_len_b)
-        for i, text in zip(chunk, decode(tok, hyps), strict=True):
-            out[i] = text
-    model.train(was_training)
-    return out
+            choices = ", ".join([cfg.test_split, *known])
+            raise CorpusError(f"the synthetic corpus has no split {name!r}; its splits are {choices}")
+    return sets
 
 
-def bleu_score(hyps: list[str], refs: list[str], pretokenized: bool = False) -> tuple[float, str]:
-    """Corpus BLEU (sacreBLEU defaults: 13a tokenisation, exp smoothing) and its signature.
-
-    ``pretokenized`` silences sacreBLEU's warning for text that is tokenised by construction
-    (the synthetic corpus); the score and signature are unchanged."""
-    metric = BLEU(force=pretokenized)
-    score = metric.corpus_score(hyps, [refs])
-    return score.score, str(metric.get_signature())
-
-
-# --- The papers' BLEU: Moses tokenization, compound splitting, multi-bleu.perl --------------------------
-# Vaswani et al. 2017 and the works set beside it score En-De as tensor2tensor's get_ende_bleu.sh and
-# fairseq's compound_split_bleu.sh do: both sides tokenized by Moses' tokenizer.perl (-l de, default
-# escaping, no -a), hyphenated compounds split as "rich ##AT##-##AT## text", then multi-bleu.perl
-# (case-sensitive corpus BLEU on whitespace tokens, no smoothing). Not comparable to sacreBLEU.
+def file_set(src: str | Path, ref: str | Path) -> TestSet:
+    """A source and a reference file, line by line, as a test set named after the source file."""
+    sources, refs = read_lines(src), read_lines(ref)
+    if len(sources) != len(refs):
+        raise InputError(
+            f"{src} has {len(sources)} lines but {ref} has {len(refs)}; --src and --ref must be "
+            "line-aligned (one segment per line)"
+        )
+    return TestSet(Path(src).name, list(zip(sources, refs, strict=True)))
 
 
-def _prefixes(always: str, before_numbers: str) -> dict[str, int]:
-    """Single capitals (initials) and ``always`` keep their period (1); ``before_numbers`` only
-    before a number (2)."""
-    table = {chr(c): 1 for c in range(ord("A"), ord("Z") + 1)}
-    table.update({word: 1 for word in always.split()})
-    table.update({word: 2 for word in before_numbers.split()})
-    return table
+# --------------------------------------------------------------------------------------------------
+# Scoring
 
 
-#: Words whose final period is not split off by the tokenizer (1), or only before a number (2). A short
-#: list of common abbreviations written for this project, smaller than Moses' files: a rare abbreviation
-#: followed by a capitalised word may be split where tokenizer.perl keeps it (both sides alike).
-NONBREAKING: dict[str, dict[str, int]] = {
-    "en": _prefixes(
-        "Mr Mrs Ms Dr Prof Sr Jr St Mt Gen Gov Sen Rep Rev Capt Col Lt Sgt Inc Ltd Co vs e.g i.e "
-        "Jan Feb Mar Apr Jun Jul Aug Sep Sept Oct Nov Dec",
-        "No Nos Art Nr pp",
-    ),
-    "de": _prefixes(
-        "Dr Prof Hr Fr Frl St Abt Bd bzw ca evtl ggf inkl Jh Jhd Mio Mrd usw vgl "
-        "Jan Feb Mär Apr Jun Jul Aug Sep Sept Okt Nov Dez",
-        "Nr Art Abs S",
-    ),
-    "fr": _prefixes(
-        "M MM Mme Mmes Mlle Dr Pr St Ste Me Mgr etc cf janv févr avr juil sept oct nov déc",
-        "No no n° art p",
-    ),
-}
+@dataclass
+class SetResult:
+    """One test set's figures and what they were computed from."""
+
+    name: str
+    figures: dict[str, Any]
+    hypotheses: list[str]  # one per test pair; '' where the encoder could not represent the source
+    references: list[str]
 
 
-@functools.cache
-def _class(prop: str) -> str:
-    """The body of a regex character class holding the code points of a Unicode property (planes 0-1):
-    ``alpha`` (letters), ``alnum`` (letters and decimal digits), ``number`` (category N)."""
-    tests: dict[str, Callable[[str], bool]] = {
-        "alpha": str.isalpha,
-        "alnum": lambda c: c.isalpha() or unicodedata.category(c) == "Nd",
-        "number": lambda c: unicodedata.category(c).startswith("N"),
-    }
-    test, ranges, start = tests[prop], [], -1
-    for cp in range(0x20001):
-        inside = cp < 0x20000 and test(chr(cp))
-        if inside and start < 0:
-            start = cp
-        elif not inside and start >= 0:
-            ranges.append((start, cp - 1))
-            start = -1
-    return "".join(re.escape(chr(a)) + (f"-{re.escape(chr(b))}" if b > a else "") for a, b in ranges)
+@dataclass
+class Evaluation:
+    """Every test set's result, in the order asked for."""
 
+    sets: list[SetResult]
 
-@functools.cache
-def _moses_rules(lang: str) -> list[tuple[re.Pattern[str], str]]:
-    """tokenizer.perl's substitutions up to the word loop, in its order, for ``lang``."""
-    alpha, alnum, num = _class("alpha"), _class("alnum"), _class("number")
-    rules = [
-        (rf"([^{alnum}\s.'`,\-])", r" \1 "),  # every other special character is a token
-        (r"\.(\.+)", r" DOTMULTI\1"),  # multi-dots stay together (finished below)
-    ]
-    rules += [
-        (rf"([^{num}]),", r"\1 , "),  # commas, except inside numbers (5,300)
-        (rf",([^{num}])", r" , \1"),
-        (rf"([{num}]),$", r"\1 ,"),
-    ]
-    if lang == "en":  # contractions split to the right: don 't
-        rules += [
-            (rf"([^{alpha}])'([^{alpha}])", r"\1 ' \2"),
-            (rf"([^{alpha}{num}])'([{alpha}])", r"\1 ' \2"),
-            (rf"([{alpha}])'([^{alpha}])", r"\1 ' \2"),
-            (rf"([{alpha}])'([{alpha}])", r"\1 '\2"),
-            (rf"([{num}])'(s)", r"\1 '\2"),
-        ]
-    elif lang in ("fr", "it", "ga", "ca"):  # contractions split to the left: l' homme
-        rules += [
-            (rf"([^{alpha}])'([^{alpha}])", r"\1 ' \2"),
-            (rf"([^{alpha}])'([{alpha}])", r"\1 ' \2"),
-            (rf"([{alpha}])'([^{alpha}])", r"\1 ' \2"),
-            (rf"([{alpha}])'([{alpha}])", r"\1' \2"),
-        ]
-    else:
-        rules.append((r"'", " ' "))
-    return [(re.compile(pattern), repl) for pattern, repl in rules]
-
-
-_ESCAPES = [("&", "&amp;"), ("|", "&#124;"), ("<", "&lt;"), (">", "&gt;"), ("'", "&apos;"), ('"', "&quot;"),
-            ("[", "&#91;"), ("]", "&#93;")]  # fmt: skip
-
-
-def _keeps_period(pre: str, nxt: str, prefixes: dict[str, int]) -> bool:
-    """tokenizer.perl: ``pre.`` stays one token before the word ``nxt`` when it is an abbreviation
-    (holds a period and a letter, or is listed), when a lowercase word follows, or when a number follows
-    a prefix listed for numbers."""
-    if ("." in pre and re.search(f"[{_class('alpha')}]", pre)) or prefixes.get(pre) == 1:
-        return True
-    return nxt[:1].islower() or (prefixes.get(pre) == 2 and re.match("[0-9]", nxt) is not None)
-
-
-def moses_tokenize(text: str, lang: str) -> str:
-    """One line tokenized as Moses' ``tokenizer.perl -l LANG`` does (default escaping, no -a)."""
-    text = re.sub(r"\s+", " ", f" {text} ")
-    text = re.sub(r"[\x00-\x1f]", "", text).strip(" ")
-    if not text:
-        return ""
-    rules = _moses_rules(lang)
-    for pattern, repl in rules[:2]:
-        text = pattern.sub(repl, text)
-    while "DOTMULTI." in text:
-        text = re.sub(r"DOTMULTI\.([^.])", r"DOTDOTMULTI \1", text)
-        text = text.replace("DOTMULTI.", "DOTDOTMULTI")
-    for pattern, repl in rules[2:]:
-        text = pattern.sub(repl, text)
-    prefixes = NONBREAKING.get(lang, NONBREAKING["en"])
-    words = text.split(" ")
-    while words and not words[-1]:  # Perl's split drops trailing empty fields
-        words.pop()
-    for i, word in enumerate(words):
-        m = re.fullmatch(r"(\S+)\.", word)
-        if m is None:
-            continue
-        pre = m.group(1)
-        if i + 1 == len(words) or not _keeps_period(pre, words[i + 1], prefixes):
-            words[i] = f"{pre} ."  # the last word is a sentence end, never an abbreviation
-    text = re.sub(" +", " ", " ".join(words)).strip(" ")
-    text = re.sub(r"\.' ?$", " . ' ", text, count=1)
-    while "DOTDOTMULTI" in text:
-        text = text.replace("DOTDOTMULTI", "DOTMULTI.")
-    text = text.replace("DOTMULTI", ".")
-    for char, escaped in _ESCAPES:
-        text = text.replace(char, escaped)
-    return text.strip(" ")
-
-
-def compound_split(text: str) -> str:
-    """``perl -ple 's{(\\S)-(\\S)}{$1 ##AT##-##AT## $2}g'``: rich-text -> rich ##AT##-##AT## text.
-    Like the Perl, matches do not overlap: a-b-c -> a ##AT##-##AT## b-c."""
-    return re.sub(r"(\S)-(\S)", r"\1 ##AT##-##AT## \2", text)
-
-
-def tokenized_bleu(
-    hyps: list[str], refs: list[str], lang: str, split_compounds: bool | None = None
-) -> tuple[float, str]:
-    """The papers' BLEU and a description of how it was computed: both sides Moses-tokenized for
-    ``lang``, compounds split (default: German targets, as get_ende_bleu.sh), then multi-bleu.perl's
-    corpus BLEU on whitespace tokens (case-sensitive, no smoothing)."""
-    split = lang == "de" if split_compounds is None else split_compounds
-
-    def prepare(lines: list[str]) -> list[str]:
-        out = [moses_tokenize(line, lang) for line in lines]
-        return [compound_split(line) for line in out] if split else out
-
-    metric = BLEU(tokenize="none", smooth_method="none", force=True)
-    score = metric.corpus_score(prepare(hyps), [prepare(refs)]).score
-    method = f"moses-tok:{lang}" + ("+compound-split" if split else "") + "|multi-bleu"
-    return score, method
-
-
-def _bucket_name(lo: int, hi: int | None) -> str:
-    return f"{lo}-{hi}" if hi is not None else f"{lo}+"
+    def figures(self) -> dict[str, Any]:
+        """The JSON of an evaluation: the first set's figures at the top level (the config's test split
+        when nothing else is asked for), and every set's under ``sets``."""
+        return {**self.sets[0].figures, "sets": {r.name: r.figures for r in self.sets}}
 
 
 def evaluate(
-    model: Transformer, tok: Tokenizer, splits: Splits, ecfg: EvalConfig, lang: str | None = None
-) -> dict[str, Any]:
-    """All figures of a model on the test, extrapolation and probe sets. With ``lang`` (the target
-    language) and a real corpus, also the papers' tokenized BLEU (``bleu_tokenized``)."""
-    test_src = [s for s, _ in splits.test]
-    test_ref = [t for _, t in splits.test]
-    long_src = [s for s, _ in splits.long]
-    long_ref = [t for _, t in splits.long]
-    probe_src = [s for s, _ in splits.probe]
-    probe_ref = [t for _, t in splits.probe]
-    hyps = translate(model, tok, test_src + long_src + probe_src, ecfg)
-    test_hyp = hyps[: len(test_src)]
-    long_hyp = hyps[len(test_src) : len(test_src) + len(long_src)]
-    probe_hyp = hyps[len(test_src) + len(long_src) :]
+    model: Transformer, tok: Tokenizer, sets: list[TestSet], ecfg: EvalConfig, lang: str | None = None
+) -> Evaluation:
+    """Decode (``ecfg``'s beam, lengths and batches) and score every set. With ``lang`` (the target
+    language) and real text, also the papers' tokenized BLEU and the lowercased Multi30k BLEU."""
+    options = DecodeOptions.of(ecfg)
+    return Evaluation([_score_set(model, tok, s, options, ecfg.length_buckets, lang) for s in sets])
 
-    def text(h: list[str | None]) -> list[str]:
-        return [x if x is not None else "" for x in h]
 
-    bleu, signature = bleu_score(text(test_hyp), test_ref, splits.pretokenized)
-    chrf = CHRF().corpus_score(text(test_hyp), [test_ref]).score
-    exact = sum(h == r for h, r in zip(test_hyp, test_ref, strict=True)) / max(1, len(test_ref))
-    correct = [h == r for h, r in zip(probe_hyp, probe_ref, strict=True)]
+def _score_set(
+    model: Transformer,
+    tok: Tokenizer,
+    test: TestSet,
+    options: DecodeOptions,
+    edges: list[int],
+    lang: str | None,
+) -> SetResult:
+    def hyps(pairs: list[Pair]) -> list[str | None]:  # each set on its own: the batches tpe-translate cuts
+        return [t.text for t in decode_sentences(model, tok, [s for s, _ in pairs], options)]
+
+    test_hyp, long_hyp, probe_hyp = hyps(test.pairs), hyps(test.long), hyps(test.probe)
+    test_ref = [t for _, t in test.pairs]
+    text = [h if h is not None else "" for h in test_hyp]
+    bleu, signature = metrics.bleu(text, test_ref, test.pretokenized)
+    correct = [h == r for h, (_, r) in zip(probe_hyp, test.probe, strict=True)]
     pairs_right = sum(correct[i] and correct[i + 1] for i in range(0, len(correct), 2))
-    probe = pairs_right / (len(correct) // 2) if correct else None  # None: the corpus has no probes
+    figures: dict[str, Any] = {
+        "test_set": test.name,
+        "bleu": bleu,
+        "bleu_signature": signature,
+        "chrf": metrics.chrf(text, test_ref),
+        "exact_match": sum(h == r for h, r in zip(test_hyp, test_ref, strict=True)) / max(1, len(test_ref)),
+        "probe_accuracy": pairs_right / (len(correct) // 2) if correct else None,  # None: no probes
+        "probe_pairs": len(correct) // 2,
+        "test_sentences": len(test_ref),
+        "bleu_by_length": _buckets(
+            [*test.pairs, *test.long], [*test_hyp, *long_hyp], edges, test.pretokenized
+        ),
+    }
+    too_long = sum(h is None for h in test_hyp)
+    if too_long:
+        figures["too_long"] = too_long  # scored as empty translations
+    if lang is not None and not test.pretokenized:  # the synthetic corpus is tokenized already
+        for key, score in (
+            ("bleu_tokenized", metrics.tokenized_bleu),  # cased, compound-split (WMT En-De papers)
+            ("bleu_lc_tokenized", metrics.lc_tokenized_bleu),  # lowercased (the Multi30k literature)
+        ):
+            figures[key], figures[f"{key}_method"] = score(text, test_ref, lang)
+    return SetResult(test.name, figures, text, test_ref)
 
+
+def _buckets(
+    pairs: list[Pair], hyps: list[str | None], edges: list[int], pretokenized: bool
+) -> dict[str, Any]:
+    """BLEU by source length in words: buckets up to each edge, then an open one."""
     buckets: dict[str, Any] = {}
-    edges = sorted(ecfg.length_buckets)
-    all_src, all_hyp, all_ref = (
-        test_src + long_src,
-        test_hyp + long_hyp,
-        test_ref + long_ref,
-    )
-    lows = [1] + [e + 1 for e in edges]
-    highs: list[int | None] = [*edges, None]
+    lows = [1] + [e + 1 for e in sorted(edges)]
+    highs: list[int | None] = [*sorted(edges), None]
+    words = [len(s.split()) for s, _ in pairs]
     for lo, hi in zip(lows, highs, strict=True):
-        members = [
-            i for i, s in enumerate(all_src) if lo <= len(s.split()) and (hi is None or len(s.split()) <= hi)
-        ]
+        members = [i for i, n in enumerate(words) if lo <= n and (hi is None or n <= hi)]
         if not members:
             continue
-        unrepresentable = sum(all_hyp[i] is None for i in members)
+        name = f"{lo}-{hi}" if hi is not None else f"{lo}+"
+        kept = [i for i in members if hyps[i] is not None]
         entry: dict[str, Any] = {"sentences": len(members)}
-        if unrepresentable == len(members):
+        if not kept:
             entry["bleu"] = None
             entry["note"] = "longer than the encoder's position encoding can represent"
         else:
-            kept = [i for i in members if all_hyp[i] is not None]
-            hyp_k, ref_k = text([all_hyp[i] for i in kept]), [all_ref[i] for i in kept]
-            entry["bleu"] = bleu_score(hyp_k, ref_k, splits.pretokenized)[0]
-            if unrepresentable:
-                entry["unrepresentable"] = unrepresentable
-        buckets[_bucket_name(lo, hi)] = entry
-    metrics: dict[str, Any] = {
-        "bleu": bleu,
-        "bleu_signature": signature,
-        "chrf": chrf,
-        "exact_match": exact,
-        "probe_accuracy": probe,
-        "probe_pairs": len(correct) // 2,
-        "test_sentences": len(test_src),
-        "bleu_by_length": buckets,
-    }
-    if lang is not None and not splits.pretokenized:  # the synthetic corpus is tokenized already
-        tok_bleu, method = tokenized_bleu(text(test_hyp), test_ref, lang)
-        metrics["bleu_tokenized"], metrics["bleu_tokenized_method"] = tok_bleu, method
-    return metrics
+            hyp_k = [hyps[i] or "" for i in kept]
+            entry["bleu"] = metrics.bleu(hyp_k, [pairs[i][1] for i in kept], pretokenized)[0]
+            if len(kept) < len(members):
+                entry["unrepresentable"] = len(members) - len(kept)
+        buckets[name] = entry
+    return buckets
 
 
-def format_table(metrics: dict[str, Any]) -> str:
-    """A short human-readable table of the figures."""
+# --------------------------------------------------------------------------------------------------
+# On disk
+
+
+class EvalFiles:
+    """What evaluation keeps in a directory (a run directory, or an averaged export): the figures
+    (``eval.json``) and, per test set, the hypotheses that were scored and their references, one
+    sentence a line in test-set order (``hypotheses/<set>.hyp``, ``hypotheses/<set>.ref``). The only
+    place these names are spelled."""
+
+    FIGURES = "eval.json"
+    HYPOTHESES = "hypotheses"
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+
+    @property
+    def figures(self) -> Path:
+        return self.directory / self.FIGURES
+
+    def _file(self, name: str, suffix: str) -> Path:
+        return self.directory / self.HYPOTHESES / (re.sub(r"[^\w.+-]", "_", name) + suffix)
+
+    def hypotheses(self, name: str) -> Path:
+        return self._file(name, ".hyp")
+
+    def references(self, name: str) -> Path:
+        return self._file(name, ".ref")
+
+    def write(self, evaluation: Evaluation, figures: dict[str, Any] | None = None) -> Path:
+        """Every set's hypotheses and references, then the figures (``evaluation``'s, or ``figures``
+        where the caller adds to them); each file replaced atomically, the figures last."""
+        for result in evaluation.sets:
+            _write(self.hypotheses(result.name), result.hypotheses)
+            _write(self.references(result.name), result.references)
+        path = self.figures
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        tmp.write_text(json.dumps(figures if figures is not None else evaluation.figures(), indent=2))
+        tmp.replace(path)
+        return path
+
+    def read_figures(self) -> dict[str, Any] | None:
+        return json.loads(self.figures.read_text()) if self.figures.is_file() else None
+
+    def read_set(self, name: str) -> tuple[list[str], list[str]] | None:
+        """(hypotheses, references) of a set, or None when this evaluation did not keep them."""
+        hyp, ref = self.hypotheses(name), self.references(name)
+        if not (hyp.is_file() and ref.is_file()):
+            return None
+        return read_lines(hyp), read_lines(ref)
+
+
+def _write(path: Path, lines: list[str]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text("".join(line.replace("\n", " ") + "\n" for line in lines), encoding="utf-8")
+    tmp.replace(path)
+
+
+# --------------------------------------------------------------------------------------------------
+# Tables
+
+
+def format_table(figures: dict[str, Any]) -> str:
+    """A short human-readable table of one set's figures."""
     rows = [
-        ("BLEU (test)", f"{metrics['bleu']:.2f}"),
-        ("chrF (test)", f"{metrics['chrf']:.2f}"),
-        ("exact match (test)", f"{100 * metrics['exact_match']:.1f}%"),
+        ("BLEU (test)", f"{figures['bleu']:.2f}"),
+        ("chrF (test)", f"{figures['chrf']:.2f}"),
+        ("exact match (test)", f"{100 * figures['exact_match']:.1f}%"),
         (
             "word-order probe accuracy",
             "n/a (no probes in this corpus)"
-            if metrics["probe_accuracy"] is None
-            else f"{100 * metrics['probe_accuracy']:.1f}% of {metrics['probe_pairs']} pairs",
+            if figures["probe_accuracy"] is None
+            else f"{100 * figures['probe_accuracy']:.1f}% of {figures['probe_pairs']} pairs",
         ),
     ]
-    if metrics.get("bleu_tokenized") is not None:
-        rows.append(
-            (f"BLEU tokenized ({metrics['bleu_tokenized_method']})", f"{metrics['bleu_tokenized']:.2f}")
-        )
-    for name, entry in metrics["bleu_by_length"].items():
+    for key in ("bleu_tokenized", "bleu_lc_tokenized"):
+        if figures.get(key) is not None:
+            rows.append((f"BLEU ({figures[key + '_method']})", f"{figures[key]:.2f}"))
+    if figures.get("too_long"):
+        rows.append(("too long to translate (scored empty)", str(figures["too_long"])))
+    for name, entry in figures["bleu_by_length"].items():
         value = "n/a (too long)" if entry["bleu"] is None else f"{entry['bleu']:.2f}"
         rows.append((f"BLEU, source {name} words", f"{value}  ({entry['sentences']} sent.)"))
     width = max(len(r[0]) for r in rows)
     lines = [f"{name:<{width}}  {value}" for name, value in rows]
-    lines.append(f"sacreBLEU signature: {metrics['bleu_signature']}")
+    lines.append(f"sacreBLEU signature: {figures['bleu_signature']}")
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``tpe-eval``: score a checkpoint on its corpus's test, extrapolation and probe sets."""
-    from tpe_train.checkpoint import load_export
-    from tpe_train.parallel.context import local_device
-
-    parser = argparse.ArgumentParser(prog="tpe-eval", description=__doc__)
-    parser.add_argument(
-        "--checkpoint",
-        required=True,
-        help="checkpoint directory (<run_dir>/checkpoint)",
+def format_evaluation(evaluation: Evaluation) -> str:
+    """One table per set (a heading per set when there are several)."""
+    if len(evaluation.sets) == 1:
+        return format_table(evaluation.sets[0].figures)
+    return "\n\n".join(
+        f"== {r.name} ({r.figures['test_sentences']} sentences)\n{format_table(r.figures)}"
+        for r in evaluation.sets
     )
+
+
+def compare(system: Evaluation, baseline: Evaluation, samples: int = 1000) -> dict[str, metrics.PairedResult]:
+    """Per set, the paired bootstrap test of ``system``'s hypotheses against ``baseline``'s."""
+    out = {}
+    for s, b in zip(system.sets, baseline.sets, strict=True):
+        assert s.name == b.name and s.references == b.references
+        out[s.name] = metrics.paired_bootstrap(s.hypotheses, b.hypotheses, s.references, samples)
+    return out
+
+
+def format_comparison(tests: dict[str, metrics.PairedResult], system: str, baseline: str) -> str:
+    """Per set: both scores (bootstrap mean ± 95% half-width), the difference and its p-value."""
+    blocks = [f"system: {system}\nbaseline: {baseline}"]
+    for name, result in tests.items():
+        lines = [
+            f"== {name} ({result.sentences} sentences; paired bootstrap resampling, "
+            f"{result.samples} resamples)",
+            f"{'':6}{'system':>24}{'baseline':>24}{'difference':>12}{'p':>8}",
+        ]
+        for key, label in (("bleu", "BLEU"), ("chrf", "chrF")):
+            m = result.metrics[key]
+            sys_ = f"{m.system:.2f} ({m.system_mean:.2f} ± {m.system_ci:.2f})"
+            base = f"{m.baseline:.2f} ({m.baseline_mean:.2f} ± {m.baseline_ci:.2f})"
+            lines.append(f"{label:<6}{sys_:>24}{base:>24}{m.delta:>+12.2f}{m.p_value:>8.4f}")
+        lines.append(f"sacreBLEU: {result.signatures['bleu']}")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks)
+
+
+# --------------------------------------------------------------------------------------------------
+# tpe-eval
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="tpe-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--checkpoint", required=True, help="an export (<run_dir>/checkpoint, tpe-ckpt average)"
+    )
+    parser.add_argument(
+        "--split", default=None, help="comma-separated splits of the model's corpus, each scored on its own"
+    )
+    parser.add_argument("--src", action="append", default=[], help="a source file (with --ref; repeatable)")
+    parser.add_argument("--ref", action="append", default=[], help="its reference file, line by line")
+    parser.add_argument(
+        "--compare", default=None, metavar="BASELINE", help="another export: paired bootstrap test against it"
+    )
+    parser.add_argument("--samples", type=int, default=1000, help="bootstrap resamples (default 1000)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--out", default=None, help="also write eval.json and the hypotheses scored into this directory"
+    )
     parser.add_argument("--beam", type=int, default=None, help="override eval.beam (1: greedy)")
     parser.add_argument(
         "--device", default="auto", help="auto (the GPU if torch sees one, else the CPU), cpu, cuda or cuda:N"
     )
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def _sets(args: argparse.Namespace, cfg: DataConfig) -> list[TestSet]:
+    if len(args.src) != len(args.ref):
+        raise InputError(
+            f"{len(args.src)} --src but {len(args.ref)} --ref; give each source file its reference"
+        )
+    sets = corpus_sets(cfg, [n.strip() for n in args.split.split(",") if n.strip()]) if args.split else []
+    sets += [file_set(src, ref) for src, ref in zip(args.src, args.ref, strict=True)]
+    sets = sets or config_sets(cfg)
+    names = [s.name for s in sets]
+    for i, test in enumerate(sets):  # two files of one name: keep both
+        if names.count(test.name) > 1:
+            test.name = f"{test.name}.{i + 1}"
+    return sets
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``tpe-eval``: score an export on test sets; with ``--compare``, test it against another."""
+    from tpe_train.checkpoint import load_export
+
+    args = parse_args(argv)
     try:
-        device = local_device() if args.device == "auto" else torch.device(args.device)
-        if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-            raise RuntimeError(f"torch sees {torch.cuda.device_count()} GPU(s) here")
-    except RuntimeError as err:
-        print(f"tpe-eval: --device {args.device}: {err}; use auto, cpu, cuda or cuda:N", file=sys.stderr)
-        return 2
-    try:
+        if args.beam is not None and args.beam < 1:
+            raise ValueError("--beam must be at least 1")
+        if args.samples < 1:
+            raise ValueError("--samples must be at least 1")
+        device = device_from_arg(args.device)
         model, cfg, tok = load_export(args.checkpoint)
-    except (FileNotFoundError, ValueError, ConfigError) as err:
+        other = load_export(args.compare) if args.compare else None
+        sets = _sets(args, cfg.data)  # every file is read before any decoding
+    except (FileNotFoundError, ValueError, ConfigError) as err:  # CorpusError, InputError included
         print(f"tpe-eval: {err}", file=sys.stderr)
         return 2
     if args.beam is not None:
-        if args.beam < 1:
-            print("tpe-eval: --beam must be at least 1", file=sys.stderr)
-            return 2
         cfg.eval.beam = args.beam
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    metrics = evaluate(model.to(device), tok, test_splits(cfg.data), cfg.eval, lang=cfg.data.tgt_lang)
-    print(json.dumps(metrics) if args.json else format_table(metrics))
+    lang = cfg.data.tgt_lang
+    result = evaluate(model.to(device), tok, sets, cfg.eval, lang)
+    if args.out:
+        EvalFiles(args.out).write(result)
+    if other is None:
+        print(json.dumps(result.figures()) if args.json else format_evaluation(result))
+        return 0
+    b_model, _, b_tok = other
+    baseline = evaluate(b_model.to(device), b_tok, sets, cfg.eval, lang)  # decoded as the system
+    tests = compare(result, baseline, args.samples)
+    if args.json:
+        print(json.dumps({"system": args.checkpoint, "baseline": args.compare, "sets": {
+            s.name: {"system": s.figures, "baseline": b.figures, "paired": tests[s.name].as_dict()}
+            for s, b in zip(result.sets, baseline.sets, strict=True)}}))  # fmt: skip
+    else:
+        print(format_comparison(tests, args.checkpoint, args.compare))
     return 0
 
 

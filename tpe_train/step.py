@@ -15,10 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from tpe_train import metrics
 from tpe_train.config import Config
 from tpe_train.data.batching import PAD_ID, Batch, BatchIterator, collate, length_arrays
 from tpe_train.data.corpus import pairs_of
-from tpe_train.evaluate import bleu_score, translate
+from tpe_train.decoding import DecodeOptions, decode_sentences
 from tpe_train.model.loss import label_smoothed_loss
 from tpe_train.model.transformer import Transformer
 from tpe_train.parallel.context import ParallelContext
@@ -98,9 +99,10 @@ def validate(engine: Engine, data: Any, cfg: Config, ctx: ParallelContext, cast:
         n = cfg.train.valid_bleu_size
         if n:
             pairs = pairs_of(data.splits.valid, n)
-            hyps = translate(model, data.tokenizer, [s for s, _ in pairs], cfg.eval, beam=1)
+            greedy = DecodeOptions.of(cfg.eval, beam=1)
+            hyps = decode_sentences(model, data.tokenizer, [s for s, _ in pairs], greedy)
             refs = [t for _, t in pairs]
-            out["valid/bleu"] = bleu_score([h or "" for h in hyps], refs, data.splits.pretokenized)[0]
+            out["valid/bleu"] = metrics.bleu([h.text or "" for h in hyps], refs, data.splits.pretokenized)[0]
         model.train()
     return out
 

@@ -27,7 +27,7 @@ from tpe_train.ckpt_store import CheckpointError, check_compatible, latest_compl
 from tpe_train.config import Config, ConfigError, load_config
 from tpe_train.data.corpus import Prepared, TrainBatches, prepare
 from tpe_train.data.sources import CorpusError
-from tpe_train.evaluate import evaluate, format_table
+from tpe_train.evaluate import EvalFiles, config_sets, evaluate, format_table
 from tpe_train.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED, preempted_exit
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layout
@@ -219,11 +219,13 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
             final, metrics["averaged"] = average_last(cfg, run_dir)
         if cfg.eval.at_end:
             final.to(ctx.device)  # decoding on the rank's GPU where it has one
-            metrics.update(evaluate(final, data.tokenizer, data.splits, cfg.eval, lang=cfg.data.tgt_lang))
+            sets = config_sets(cfg.data, data.splits)
+            result = evaluate(final, data.tokenizer, sets, cfg.eval, lang=cfg.data.tgt_lang)
+            metrics.update(result.figures())
             for name in ("bleu", "chrf", "exact_match", "probe_accuracy"):
                 if metrics[name] is not None:
                     _log(writer, {f"test/{name}": metrics[name]}, progress.step)
-            (run_dir / "eval.json").write_text(json.dumps(metrics, indent=2))
+            EvalFiles(run_dir).write(result, metrics)  # eval.json and the hypotheses scored
             print(format_table(metrics))
         assert writer is not None
         writer.close()

@@ -51,7 +51,6 @@ def greedy(model: Transformer, src: Tensor, max_len_a: float = 1.0, max_len_b: i
     return out
 
 
-@packed_inference()
 def beam_search(
     model: Transformer,
     src: Tensor,
@@ -60,7 +59,21 @@ def beam_search(
     max_len_a: float = 1.0,
     max_len_b: int = 50,
 ) -> list[list[int]]:
-    """Batched beam search; finished hypotheses are scored log p / length_penalty.
+    """Batched beam search: the best hypothesis of each source (B, Ls) as token ids without BOS/EOS."""
+    return [hyps[0][1] for hyps in beam_search_nbest(model, src, beam, alpha, max_len_a, max_len_b)]
+
+
+@packed_inference()
+def beam_search_nbest(
+    model: Transformer,
+    src: Tensor,
+    beam: int = 4,
+    alpha: float = 0.6,
+    max_len_a: float = 1.0,
+    max_len_b: int = 50,
+) -> list[list[tuple[float, list[int]]]]:
+    """Batched beam search; per source its ``beam`` finished hypotheses as (score, token ids), best
+    first, scored log p / length_penalty (ties keep the order in which they finished).
 
     As in fairseq, EOS is accepted only among the top ``beam`` candidates of a step, 2 * beam
     candidates are kept so that ``beam`` unfinished ones always continue, and a sentence is done
@@ -128,9 +141,8 @@ def beam_search(
         cache.reorder(flat)
         tokens = torch.cat((tokens.index_select(0, flat), next_token.reshape(-1, 1)), dim=1)
 
-    results: list[list[int]] = []
     for b, hyps in enumerate(finished):
         if not hyps:  # cannot happen (the length limit forces EOS), but never return nothing
             hyps.append((0.0, tokens[alive.index(b) * beam, 1:].tolist() if b in alive else []))
-        results.append(max(hyps, key=lambda sh: sh[0])[1])
-    return results
+    # a stable sort: among equal scores the first finished stays first
+    return [sorted(hyps, key=lambda sh: sh[0], reverse=True) for hyps in finished]

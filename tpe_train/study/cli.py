@@ -4,7 +4,7 @@
     tpe-study run ... --jobs 2                                       # 2 runs at a time, cores shared
     tpe-study run ... --launch configs/accelerate/cpu_ddp.yaml      # each run under accelerate launch
     tpe-study run ... --slurm --slurm-args "--gpus-per-node 8 --time 24:00:00"   # Slurm job arrays
-    tpe-study report DIR                                             # gather again, no training
+    tpe-study report DIR [--baseline rope]                           # gather again, no training
 
 Settings: <kind> (none, sinusoidal, learned, shaw, t5, rope, alibi), <kind>-noenc (no position
 information in the encoder only), <kind>-nodec (none in the decoder only). Bad input stops with one
@@ -15,6 +15,7 @@ run stops the study with 75 (run the same command again to resume).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import shlex
 import sys
 from pathlib import Path
@@ -70,6 +71,12 @@ def run_parser() -> argparse.ArgumentParser:
         help="local runs at a time, each with cores/jobs threads (default 1; two 1-thread runs on 2 cores "
         "train about 1.3x more tokens/s than one 2-thread run)",
     )
+    p.add_argument(
+        "--baseline",
+        default=None,
+        help="the setting the report's paired significance tests compare every other against (default: "
+        "sinusoidal when the study has it, else the first setting)",
+    )
     p.add_argument("--dry-run", action="store_true", help="print what would run or be submitted; do nothing")
     p.add_argument("--verbose", action="store_true", help="show every run's output (always in its study.log)")
     p.add_argument("--no-report", action="store_true", help="do not write the report after the runs")
@@ -88,6 +95,7 @@ def report_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("study_dir")
     p.add_argument("--heatmap-positions", type=int, default=128, help="positions in the similarity heat maps")
+    p.add_argument("--baseline", default=None, help="the setting paired tests compare against (this report)")
     return p
 
 
@@ -103,7 +111,8 @@ def cmd_run(argv: list[str]) -> int:
     preset = str(Path(args.preset).resolve()) if Path(args.preset).is_file() else args.preset
     out = Path(args.out or f"runs/study-{Path(args.preset).stem}")
     launch = str(Path(args.launch).resolve()) if args.launch and Path(args.launch).is_file() else args.launch
-    study = Study(out, preset, list(args.overrides), settings, parse_seeds(args.seeds), launch, args.average)
+    study = Study(out, preset, list(args.overrides), settings, parse_seeds(args.seeds), launch, args.average,
+                  args.baseline)  # fmt: skip
     if (out / "study.json").is_file():
         study = Study.load(out).merge(study)
     study.grid()  # settings are valid
@@ -149,6 +158,8 @@ def cmd_report(argv: list[str]) -> int:
 
     args = report_parser().parse_args(argv)
     study = Study.load(Path(args.study_dir))
+    if args.baseline is not None:
+        study = dataclasses.replace(study, baseline=args.baseline)  # validated as a setting of the study
     print(f"report: {write_report(study, args.heatmap_positions)}")
     return 0
 
@@ -169,11 +180,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tpe-study: unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     from tpe_train.exits import EXIT_PREEMPTED
-    from tpe_train.study.runner import Preempted
+    from tpe_train.study.runner import StudyPreempted
 
     try:
         return command(argv[1:])
-    except Preempted as err:
+    except StudyPreempted as err:
         print(f"tpe-study {argv[0]}: {err}", file=sys.stderr)
         return EXIT_PREEMPTED
     except KeyboardInterrupt:

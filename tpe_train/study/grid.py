@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from tpe_train.config import Config, ConfigError, load_config
+from tpe_train.evaluate import EvalFiles
 from tpe_train.positions import POSITIONS
 
 #: The encodings in the order of the README's table; the default grid of ``tpe-study run``.
@@ -119,6 +120,7 @@ class Study:
     seeds: list[int] = field(default_factory=lambda: [1])
     launch: str | None = None  # accelerate launch file of every run (None: one plain process)
     average: int = 0  # average the last N checkpoints and evaluate that (0: the final export)
+    baseline: str | None = None  # the setting paired tests compare against (None: see baseline_setting)
     slurm_jobs: list[dict[str, Any]] = field(default_factory=list)  # what was submitted, for the record
 
     def __post_init__(self) -> None:
@@ -135,6 +137,19 @@ class Study:
             )
         for name in self.settings:
             parse_setting(name)
+        if self.baseline is not None and self.baseline not in self.settings:
+            raise StudyError(
+                f"--baseline {self.baseline} is not a setting of the study ({', '.join(self.settings)}); "
+                "name one of them"
+            )
+
+    @property
+    def baseline_setting(self) -> str:
+        """The setting every other is tested against: ``baseline``, else ``sinusoidal`` (the
+        Transformer's own encoding) when the study has it, else the first setting."""
+        if self.baseline is not None:
+            return self.baseline
+        return "sinusoidal" if "sinusoidal" in self.settings else self.settings[0]
 
     # -- layout -------------------------------------------------------------------------------------
     def grid(self) -> list[tuple[Setting, int]]:
@@ -152,11 +167,14 @@ class Study:
         """Where the average of the last ``average`` checkpoints goes (as ``tpe-launch --script eval``)."""
         return self.run_dir(setting, seed) / f"averaged-last{self.average}"
 
+    def eval_files(self, setting: Setting, seed: int) -> EvalFiles:
+        """The evaluation the report uses (figures and test hypotheses): the averaged model's when the
+        study averages, else the one training wrote into the run directory."""
+        return EvalFiles(self.averaged_dir(setting, seed) if self.average else self.run_dir(setting, seed))
+
     def eval_path(self, setting: Setting, seed: int) -> Path:
-        """The figures the report uses: the averaged model's when the study averages."""
-        if self.average:
-            return self.averaged_dir(setting, seed) / "eval.json"
-        return self.run_dir(setting, seed) / "eval.json"
+        """The figures the report uses (``eval_files(...).figures``)."""
+        return self.eval_files(setting, seed).figures
 
     @property
     def report_dir(self) -> Path:
@@ -223,4 +241,5 @@ class Study:
                 )
         self.settings += [s for s in other.settings if s not in self.settings]
         self.seeds += [s for s in other.seeds if s not in self.seeds]
+        self.baseline = other.baseline if other.baseline is not None else self.baseline
         return self

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 from tpe_train.config import validate
 from tpe_train.positions.absolute import sinusoid_table
 from tpe_train.study.grid import Setting, Study
-from tpe_train.study.report import FIGURES, Row, Run, bucket_low, bucket_names, training_cap
+from tpe_train.study.results import FIGURES, Row, Run, bucket_low, bucket_names, training_cap
 
 EXPORT = "checkpoint"  # <run_dir>/checkpoint: the final export written by tpe-train
 

@@ -1,5 +1,6 @@
-"""Gathering a study: every run's ``eval.json`` -> mean and standard deviation over seeds -> a markdown
-table (``report/report.md``), ``report/summary.json``, and the plots of ``plots``.
+"""Gathering a study: every run's ``eval.json`` -> mean and standard deviation over seeds, and the
+paired bootstrap test of every setting against the baseline setting -> a markdown table
+(``report/report.md``), ``report/summary.json``, and the plots of ``plots``.
 
 ``tpe-study report STUDY_DIR`` does only this, so a study can be re-gathered at any time (while a Slurm
 array still runs, the runs without figures are listed as missing).
@@ -8,154 +9,62 @@ array still runs, the runs without figures are listed as missing).
 from __future__ import annotations
 
 import json
-import statistics
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from tpe_train.config import Config, validate
-from tpe_train.study.grid import Setting, Study, parse_setting
-
-#: The headline figures of eval.json: key -> (column, scale for display, unit).
-FIGURES = {
-    "bleu": ("BLEU", 1.0, ""),
-    "chrf": ("chrF", 1.0, ""),
-    "exact_match": ("exact match", 100.0, "%"),
-    "probe_accuracy": ("word-order probe", 100.0, "%"),
-    "bleu_tokenized": ("BLEU tok.+compound", 1.0, ""),
-}
-
-
-@dataclass
-class Run:
-    """One cell of the grid and its figures (``None``: not there yet, or failed)."""
-
-    setting: Setting
-    seed: int
-    run_dir: Path
-    eval_path: Path
-    metrics: dict[str, Any] | None
-
-
-@dataclass
-class Stat:
-    """Mean and sample standard deviation of the values one figure took over seeds."""
-
-    values: list[float]
-
-    @property
-    def mean(self) -> float:
-        return statistics.fmean(self.values)
-
-    @property
-    def sd(self) -> float | None:
-        return statistics.stdev(self.values) if len(self.values) > 1 else None
-
-    def text(self, scale: float = 1.0, unit: str = "") -> str:
-        if not self.values:
-            return "n/a"
-        sd = self.sd
-        spread = f" ± {scale * sd:.1f}" if sd is not None else ""
-        return f"{scale * self.mean:.1f}{unit}{spread}"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"mean": self.mean if self.values else None, "sd": self.sd, "n": len(self.values)}
-
-
-@dataclass
-class Row:
-    """The figures of one setting over its seeds."""
-
-    setting: Setting
-    seeds: list[int]
-    figures: dict[str, Stat] = field(default_factory=dict)
-    buckets: dict[str, Stat] = field(default_factory=dict)
-    too_long: dict[str, int] = field(default_factory=dict)  # bucket -> sentences left out (max over seeds)
-
-
-def gather(study: Study) -> list[Run]:
-    """Every run of the grid, with its figures where they exist."""
-    runs = []
-    for setting, seed in study.grid():
-        path = study.eval_path(setting, seed)
-        metrics = json.loads(path.read_text()) if path.is_file() else None
-        runs.append(Run(setting, seed, study.run_dir(setting, seed), path, metrics))
-    return runs
-
-
-def aggregate(study: Study, runs: list[Run]) -> list[Row]:
-    """One row per setting (in the study's order) with means and deviations over the seeds present."""
-    rows = []
-    for name in study.settings:
-        setting = parse_setting(name)
-        done = [r for r in runs if r.setting == setting and r.metrics is not None]
-        row = Row(setting, [r.seed for r in done])
-        figures = [r.metrics for r in done if r.metrics is not None]
-        for key in FIGURES:
-            row.figures[key] = Stat([m[key] for m in figures if m.get(key) is not None])
-        for name_ in bucket_names(runs):
-            values, left_out = [], 0
-            for r in done:
-                entry = (r.metrics or {}).get("bleu_by_length", {}).get(name_)
-                if entry is None:
-                    continue
-                if entry["bleu"] is None:
-                    left_out = max(left_out, entry["sentences"])
-                else:
-                    values.append(entry["bleu"])
-                    left_out = max(left_out, entry.get("unrepresentable", 0))
-            row.buckets[name_] = Stat(values)
-            if left_out:
-                row.too_long[name_] = left_out
-        rows.append(row)
-    return rows
-
-
-def bucket_names(runs: list[Run]) -> list[str]:
-    """The length buckets of the study's runs, shortest first."""
-    names: dict[str, None] = {}
-    for r in runs:
-        for name in (r.metrics or {}).get("bleu_by_length", {}):
-            names[name] = None
-    return sorted(names, key=lambda n: int(n.rstrip("+").split("-")[0]))
-
-
-def bucket_low(name: str) -> int:
-    """The shortest source length (words) of a bucket named ``lo-hi`` or ``lo+``."""
-    return int(name.rstrip("+").split("-")[0])
-
-
-def run_config(run: Run) -> Config | None:
-    path = run.run_dir / "config.yaml"
-    return validate(yaml.safe_load(path.read_text())) if path.is_file() else None
-
-
-def training_cap(runs: list[Run]) -> int | None:
-    """The longest training source sentence in words, when the corpus bounds it (synthetic:
-    ``data.synthetic.max_words``; real corpora: ``data.clean.max_words``); None when unknown."""
-    for run in runs:
-        cfg = run_config(run)
-        if cfg is not None:
-            d = cfg.data
-            return d.synthetic.max_words if d.corpus == "synthetic" else d.clean.max_words
-    return None
+from tpe_train.metrics import PairedResult
+from tpe_train.study.grid import Study
+from tpe_train.study.results import (
+    FIGURES,
+    Row,
+    Run,
+    SettingTests,
+    aggregate,
+    bucket_low,
+    bucket_names,
+    gather,
+    significance,
+    training_cap,
+)
 
 
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
 
-def markdown(study: Study, runs: list[Run], rows: list[Row], plots: list[Path], notes: list[str]) -> str:
-    """The report: what was run, the table, the plots, every run and what is missing."""
+def _p(p: float) -> str:
+    return "< 0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def _versus(test: PairedResult | None, key: str) -> str:
+    """A cell ``+1.3 (p 0.002)``: the pooled difference to the baseline and its p-value."""
+    if test is None:
+        return "n/a"
+    m = test.metrics[key]
+    return f"{m.delta:+.1f} (p {_p(m.p_value)})"
+
+
+def markdown(
+    study: Study,
+    runs: list[Run],
+    rows: list[Row],
+    plots: list[Path],
+    notes: list[str],
+    tests: list[SettingTests] | None = None,
+) -> str:
+    """The report: what was run, the table, the paired tests, the plots, every run and what is missing."""
+    tests = tests or []
+    by_setting = {t.setting: t for t in tests}
+    baseline = study.baseline_setting
     buckets = bucket_names(runs)
     cap = training_cap(runs)
     beyond = {b for b in buckets if cap is not None and bucket_low(b) > cap}
     shown = [k for k in FIGURES if any(row.figures[k].values for row in rows)]
+    paired = any(t.per_seed for t in tests)
     done = [r for r in runs if r.metrics is not None]
     signature = next((r.metrics.get("bleu_signature") for r in done if r.metrics), None)
     method = next((r.metrics.get("bleu_tokenized_method") for r in done if r.metrics), None)
+    lc_method = next((r.metrics.get("bleu_lc_tokenized_method") for r in done if r.metrics), None)
     lines = [
         f"# Position-encoding study: preset `{study.preset}`",
         "",
@@ -181,15 +90,28 @@ def markdown(study: Study, runs: list[Run], rows: list[Row], plots: list[Path], 
             "`##AT##-##AT##` compound splitting on both sides, then multi-bleu; set it beside published "
             "En-De figures, never beside sacreBLEU."
         )
+    if lc_method:
+        lines.append(
+            f"BLEU lc tok. is BLEU as the Multi30k literature reports it (`{lc_method}`): Moses "
+            "tokenization, lowercased, multi-bleu; set it beside published Multi30k figures, never beside "
+            "sacreBLEU."
+        )
+    if paired:
+        lines.append(
+            f"vs `{baseline}`: the difference to the baseline setting and the p-value of sacreBLEU's paired "
+            "bootstrap resampling, pooled over seeds (per seed: below)."
+        )
     if beyond:
         lines.append(
             f"Training source sentences have at most {cap} words: buckets marked † hold only longer "
             "sentences (length extrapolation)."
         )
+    versus = [f"BLEU vs `{baseline}`", "chrF"] if paired else []
     header = [
         "setting",
         "seeds",
         *(FIGURES[k][0] for k in shown),
+        *versus,
         *(b + (" †" if b in beyond else "") for b in buckets),
     ]
     lines += ["", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -197,6 +119,10 @@ def markdown(study: Study, runs: list[Run], rows: list[Row], plots: list[Path], 
     for row in rows:
         cells = [f"`{row.setting.name}`", str(len(row.seeds))]
         cells += [row.figures[k].text(FIGURES[k][1], FIGURES[k][2]) for k in shown]
+        if paired:
+            test = by_setting.get(row.setting)
+            pooled = test.pooled if test is not None else None
+            cells += ["baseline"] * 2 if test is None else [_versus(pooled, "bleu"), _versus(pooled, "chrf")]
         for b in buckets:
             stat = row.buckets[b]
             cell = stat.text() if stat.values else ("too long" if b in row.too_long else "n/a")
@@ -209,6 +135,8 @@ def markdown(study: Study, runs: list[Run], rows: list[Row], plots: list[Path], 
         lines += ["", "too long: every sentence of the bucket is longer than the encoding can represent (a "
                   "learned table of `model.position.max_positions` rows); reported, not translated. *: some "
                   "were left out for that reason; the BLEU is over the rest."]  # fmt: skip
+    if tests:
+        lines += ["", *significance_section(tests, baseline)]
     lines += ["", "## Settings", ""]
     lines += [f"- `{row.setting.name}`: {row.setting.describe()}" for row in rows]
     if plots:
@@ -231,19 +159,60 @@ def markdown(study: Study, runs: list[Run], rows: list[Row], plots: list[Path], 
     return "\n".join(lines) + "\n"
 
 
-def summary(study: Study, rows: list[Row]) -> dict[str, Any]:
+def significance_section(tests: list[SettingTests], baseline: str) -> list[str]:
+    """The per-seed and pooled paired tests as a markdown section."""
+    first = next((r for t in tests for r in t.per_seed.values()), None)
+    lines = [f"## Paired significance against `{baseline}`", ""]
+    if first is None:
+        lines.append(
+            "No pair of runs has kept test hypotheses (evaluations before tpe-train kept them, or runs not "
+            "finished): no paired tests."
+        )
+        return lines
+    lines += [
+        f"sacreBLEU's paired bootstrap resampling ({first.samples} resamples, `{first.signatures['bleu']}`) "
+        f"of each run's test hypotheses against the `{baseline}` run of the same seed; *pooled*: the seeds' "
+        "test sets one after the other, each sentence paired with the same seed's baseline sentence, "
+        "resampled together. Scores are the setting's, with the bootstrap 95% confidence half-width; "
+        "p < 0.05: a difference this large is unlikely by chance.",
+        "",
+        "| setting | seeds | BLEU | Δ BLEU | p (BLEU) | chrF | Δ chrF | p (chrF) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for test in tests:
+        entries: list[tuple[str, PairedResult]] = [(str(seed), r) for seed, r in test.per_seed.items()]
+        if len(test.per_seed) > 1 and test.pooled is not None:
+            entries.append((f"pooled ({', '.join(map(str, test.per_seed))})", test.pooled))
+        for label, result in entries:
+            cells = [f"`{test.setting.name}`", label]
+            for key in ("bleu", "chrf"):
+                m = result.metrics[key]
+                cells += [f"{m.system:.2f} ± {m.system_ci:.2f}", f"{m.delta:+.2f}", _p(m.p_value)]
+            lines.append("| " + " | ".join(cells) + " |")
+        if test.missing:
+            lines.append(
+                f"| `{test.setting.name}` | {', '.join(map(str, test.missing))} | no kept test hypotheses "
+                "on one side | | | | | |"
+            )
+    return lines
+
+
+def summary(study: Study, rows: list[Row], tests: list[SettingTests] | None = None) -> dict[str, Any]:
     """The aggregated figures as JSON (``report/summary.json``)."""
+    by_setting = {t.setting: t for t in tests or []}
     return {
         "preset": study.preset,
         "overrides": study.overrides,
         "seeds": study.seeds,
         "average": study.average,
+        "baseline": study.baseline_setting,
         "settings": {
             row.setting.name: {
                 "seeds": row.seeds,
                 **{k: stat.as_dict() for k, stat in row.figures.items()},
                 "bleu_by_length": {b: stat.as_dict() for b, stat in row.buckets.items()},
                 "too_long": row.too_long,
+                "paired": by_setting[row.setting].as_dict() if row.setting in by_setting else None,
             }
             for row in rows
         },
@@ -256,12 +225,13 @@ def write_report(study: Study, heatmap_positions: int = 128) -> Path:
 
     runs = gather(study)
     rows = aggregate(study, runs)
+    tests = significance(study, runs)
     out = study.report_dir
     out.mkdir(parents=True, exist_ok=True)
     figures, notes = make_figures(study, runs, rows, heatmap_positions)
-    text_without_plots = markdown(study, runs, rows, [], notes)
+    text_without_plots = markdown(study, runs, rows, [], notes, tests)
     plots = write_figures(figures, out, out / "tb", text_without_plots)
     path = out / "report.md"
-    path.write_text(markdown(study, runs, rows, plots, notes))
-    (out / "summary.json").write_text(json.dumps(summary(study, rows), indent=2) + "\n")
+    path.write_text(markdown(study, runs, rows, plots, notes, tests))
+    (out / "summary.json").write_text(json.dumps(summary(study, rows, tests), indent=2) + "\n")
     return path

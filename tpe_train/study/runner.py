@@ -14,7 +14,7 @@ of the study; with ``average``, one ``--script eval`` job per run after its arra
 from __future__ import annotations
 
 import contextlib
-import io
+import dataclasses
 import json
 import os
 import shlex
@@ -26,16 +26,21 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
+from tpe_train.evaluate import EvalFiles
 from tpe_train.exits import EXIT_PREEMPTED
 from tpe_train.study.grid import Setting, Study, StudyError
+
+if TYPE_CHECKING:
+    from launcher.submit import SubmitArgs
 
 Print = Callable[[str], None]
 
 
-class Preempted(StudyError):
+class StudyPreempted(StudyError):
     """A run saved its checkpoint after SIGTERM / SIGUSR1: the study stops; the same command resumes."""
 
 
@@ -109,7 +114,7 @@ def run_local(
             pool.shutdown(wait=True, cancel_futures=True)
             raise
     if preempted:
-        raise Preempted(
+        raise StudyPreempted(
             f"{', '.join(preempted)} was preempted (checkpoint saved); run the same tpe-study command again "
             "to resume it and the rest of the study"
         )
@@ -138,7 +143,8 @@ def _train_and_evaluate(
     """One run of the grid: train it (unless its export was evaluated already), average and evaluate
     with ``average``; ``ok``, ``failed`` or ``preempted``."""
     run_dir = study.run_dir(setting, seed)
-    if not (run_dir / "eval.json").is_file():
+    trained = EvalFiles(run_dir).figures  # written by training's final evaluation
+    if not trained.is_file():
         run_dir.mkdir(parents=True, exist_ok=True)
         log = run_dir / "study.log"
         say(f"{label}: training in {run_dir} (log: {log})")
@@ -146,13 +152,13 @@ def _train_and_evaluate(
         code = runs.run_logged(study.train_command(setting, seed, extra), env, log, echo)
         if code == EXIT_PREEMPTED:
             return "preempted"
-        if code != 0 or not (run_dir / "eval.json").is_file():
+        if code != 0 or not trained.is_file():
             say(f"{label}: FAILED (exit {code}); the end of {log}:\n{_tail(log)}")
             return "failed"
         say(f"{label}: trained in {time.perf_counter() - start:.0f} s")
     if study.average:
         try:
-            average_and_evaluate(study, setting, seed)
+            average_and_evaluate(study, setting, seed, lambda line: say(f"{label}: {line}"))
         except Exception as err:  # reported per run: the other runs of the study go on
             say(f"{label}: averaging or evaluating FAILED: {err}")
             return "failed"
@@ -225,38 +231,55 @@ def _stamp() -> str:
     return f"{time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(now))} (unix {now:.3f})"
 
 
-def average_and_evaluate(study: Study, setting: Setting, seed: int) -> Path:
-    """``tpe-ckpt average RUN --last N --out RUN/averaged-lastN`` and ``tpe-eval`` of it, in process;
-    the figures go to ``RUN/averaged-lastN/eval.json``."""
+def average_and_evaluate(study: Study, setting: Setting, seed: int, say: Print = print) -> Path:
+    """The mean of the run's last ``study.average`` complete checkpoints, exported to
+    ``RUN/averaged-lastN`` (what ``tpe-ckpt average`` writes) and evaluated there: its figures and the
+    test hypotheses scored (what ``tpe-eval --out`` keeps). Returns the figures' path."""
     import torch
 
-    from tpe_train.checkpoint import load_export
-    from tpe_train.ckpt_cli import main as ckpt_main
-    from tpe_train.data.corpus import test_splits
-    from tpe_train.evaluate import evaluate
+    from tpe_train.checkpoint import export_mean, load_export
+    from tpe_train.ckpt_store import entries
+    from tpe_train.decoding import device_from_arg
+    from tpe_train.evaluate import config_sets, evaluate
 
-    out = study.averaged_dir(setting, seed)
     run_dir = study.run_dir(setting, seed)
-    if ckpt_main(["average", str(run_dir), "--last", str(study.average), "--out", str(out)]) != 0:
-        raise StudyError(f"tpe-ckpt average {run_dir} --last {study.average} failed (see above)")
-    model, cfg, tok = load_export(out)
+    chosen = [e.path for e in entries(run_dir / "checkpoints") if e.complete][-study.average :]
+    if not chosen:
+        raise StudyError(f"{run_dir} has no complete checkpoint to average (train.save_every)")
+    if len(chosen) < study.average:
+        say(f"only {len(chosen)} complete checkpoints; averaging those")
+    files = study.eval_files(setting, seed)
+    export_mean(chosen, files.directory)
+    say(f"averaged {', '.join(p.name for p in chosen)} -> {files.directory}")
+    model, cfg, tok = load_export(files.directory)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    metrics = evaluate(model, tok, test_splits(cfg.data), cfg.eval, lang=cfg.data.tgt_lang)
-    path = out / "eval.json"
-    path.write_text(json.dumps(metrics, indent=2))
-    return path
+    model.to(device_from_arg("auto"))
+    result = evaluate(model, tok, config_sets(cfg.data), cfg.eval, lang=cfg.data.tgt_lang)
+    return files.write(result)
 
 
-def _launcher() -> Callable[[list[str]], int]:
+def _submit_args(slurm_args: list[str]) -> SubmitArgs:
+    """``--slurm-args`` read as ``tpe-launch submit`` reads its options: the resources of every job."""
     try:
-        from launcher.cli import main
+        from launcher.cli import submit_parser
+        from launcher.plan import LaunchError
+        from launcher.submit import SubmitArgs
     except ImportError as err:
         raise StudyError(
             f"--slurm needs the launcher package (tpe-launch, in launcher/ of the repository), which does "
             f"not import here ({err}); install the repository (pip install -e .) or run the study locally"
         ) from None
-    return main
+    try:
+        ns = submit_parser().parse_intermixed_args(slurm_args)
+    except LaunchError as err:
+        raise StudyError(f"--slurm-args: {err}") from None
+    if ns.overrides:
+        raise StudyError(
+            f"--slurm-args holds config overrides ({' '.join(ns.overrides)}); give them to tpe-study run "
+            "itself, after its options"
+        )
+    return SubmitArgs(**{k: v for k, v in vars(ns).items() if k != "dry_run"})
 
 
 def _sweep_index(kind: str) -> int:
@@ -270,22 +293,28 @@ def _sweep_index(kind: str) -> int:
     return POSITION_SWEEP.index(kind)
 
 
-def _launch(argv: list[str]) -> str:
-    """``tpe-launch`` with ``argv`` in this process; its output (an error stops the study)."""
-    main = _launcher()
-    buffer, errors = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(buffer), contextlib.redirect_stderr(errors):
-        code = main(argv)
-    if code != 0:
-        raise StudyError(f"tpe-launch {shlex.join(argv[:2])} refused: {errors.getvalue().strip()}")
-    return buffer.getvalue()
+def _submit(args: SubmitArgs, dry_run: bool) -> tuple[str, str]:
+    """Render (and unless ``dry_run`` sbatch) one job: (what to show, its job id)."""
+    from launcher.plan import LaunchError
+    from launcher.submit import build, dry_run_text, report, submit
+
+    try:
+        sub = build(args)
+        if dry_run:
+            return dry_run_text(sub), "<array job>" if args.array else "<job>"
+        job = submit(sub)
+    except LaunchError as err:
+        raise StudyError(f"tpe-launch submit --script {args.script} refused: {err}") from None
+    return report(sub, job), job
 
 
 def submit_slurm(study: Study, slurm_args: list[str], dry_run: bool = False, say: Print = print) -> None:
-    """One ``tpe-launch submit --script sweep_positions --array I,J`` per seed and variant (plus one
-    ``--script eval`` per run with ``average``); submitted jobs are recorded in ``study.json``."""
+    """One ``sweep_positions`` job array per seed and variant, its indices the study's encodings (plus
+    one ``eval`` job per run after its array element with ``average``), through tpe-launch's library;
+    submitted jobs are recorded in ``study.json``."""
+    base = _submit_args(slurm_args)
     if study.launch:
-        slurm_args = [*slurm_args, "--layout", study.launch]
+        base = dataclasses.replace(base, layout=study.launch)
     groups: dict[tuple[int, str], list[Setting]] = {}
     for setting, seed in study.grid():
         if not study.eval_path(setting, seed).is_file():
@@ -293,52 +322,40 @@ def submit_slurm(study: Study, slurm_args: list[str], dry_run: bool = False, say
     if not groups:
         say("every run of the study has its figures already; nothing to submit")
         return
-    eval_args = _without(slurm_args, ("--nodes", "--layout", "--procs-per-node", "--signal-before"))
+    # evaluation runs on one node in one process, whatever the training layout
+    eval_base = dataclasses.replace(base, nodes=1, layout=None, procs_per_node=None, signal_before=300)
     for (seed, variant), settings in groups.items():
         indices = [_sweep_index(s.kind) for s in settings]
-        root = study.sweep_root(settings[0], seed).resolve()
         overrides = [o for o in study.run_overrides(settings[0], seed) if not o.startswith(
             ("model.position.kind=", "train.run_dir="))]  # fmt: skip
-        argv = ["submit", "--script", "sweep_positions", "--preset", study.preset,
-                "--array", ",".join(map(str, indices)), "--sweep-root", str(root),
-                "--job-name", f"tpe-study-s{seed}{'-' + variant if variant else ''}", *slurm_args,
-                *(["--dry-run"] if dry_run else []), *overrides]  # fmt: skip
-        out = _launch(argv)
-        say(out.rstrip())
-        job = _job_id(out) if not dry_run else "<array job>"
+        sweep = dataclasses.replace(
+            base,
+            script="sweep_positions",
+            preset=study.preset,
+            array=",".join(map(str, indices)),
+            sweep_root=str(study.sweep_root(settings[0], seed).resolve()),
+            job_name=f"tpe-study-s{seed}{'-' + variant if variant else ''}",
+            overrides=overrides,
+        )
+        shown, job = _submit(sweep, dry_run)
+        say(shown.rstrip())
         if not dry_run:
             study.slurm_jobs.append({"seed": seed, "variant": variant, "job": job, "array": indices})
         for setting, index in zip(settings, indices, strict=True):
             if not study.average:
                 continue
-            argv = ["submit", "--script", "eval", "--preset", study.preset, "--last", str(study.average),
-                    "--dependency", f"afterok:{job}_{index}", *eval_args,
-                    *(["--dry-run"] if dry_run else []), *study.run_overrides(setting, seed)]  # fmt: skip
-            out = _launch(argv)
-            say(out.rstrip())
+            evaluation = dataclasses.replace(
+                eval_base,
+                script="eval",
+                preset=study.preset,
+                last=study.average,
+                dependency=f"afterok:{job}_{index}",
+                overrides=study.run_overrides(setting, seed),
+            )
+            shown, eval_job = _submit(evaluation, dry_run)
+            say(shown.rstrip())
             if not dry_run:
-                study.slurm_jobs.append({"seed": seed, "setting": setting.name, "eval_job": _job_id(out)})
+                study.slurm_jobs.append({"seed": seed, "setting": setting.name, "eval_job": eval_job})
     if not dry_run:
         study.save()
         say(f"when the jobs are done: tpe-study report {study.root}")
-
-
-def _without(args: list[str], options: tuple[str, ...]) -> list[str]:
-    """``args`` without the given options and their values (``--nodes 2`` or ``--nodes=2``)."""
-    out: list[str] = []
-    skip = False
-    for arg in args:
-        if skip:
-            skip = False
-        elif arg in options:
-            skip = True
-        elif not arg.startswith(tuple(f"{o}=" for o in options)):
-            out.append(arg)
-    return out
-
-
-def _job_id(output: str) -> str:
-    for line in output.splitlines():
-        if line.startswith("job: "):
-            return line.split(":", 1)[1].strip()
-    raise StudyError(f"tpe-launch submit printed no job id:\n{output}")

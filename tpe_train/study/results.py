@@ -1,0 +1,204 @@
+"""What a study's report is built from, shared by ``report`` and ``plots``: every run's figures
+(``Run``), their means and deviations over seeds per setting (``Row``, ``Stat``), and the paired
+bootstrap tests of every setting against the study's baseline setting (``SettingTests``), per seed and
+pooled over seeds, from the test hypotheses each evaluation kept (no decoding here)."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tpe_train.config import Config, validate
+from tpe_train.evaluate import EvalFiles
+from tpe_train.metrics import PairedResult, paired_bootstrap
+from tpe_train.study.grid import Setting, Study, parse_setting
+
+#: The headline figures of eval.json: key -> (column, scale for display, unit).
+FIGURES = {
+    "bleu": ("BLEU", 1.0, ""),
+    "chrf": ("chrF", 1.0, ""),
+    "exact_match": ("exact match", 100.0, "%"),
+    "probe_accuracy": ("word-order probe", 100.0, "%"),
+    "bleu_tokenized": ("BLEU tok.+compound", 1.0, ""),
+    "bleu_lc_tokenized": ("BLEU lc tok.", 1.0, ""),
+}
+
+
+@dataclass
+class Run:
+    """One cell of the grid and its figures (``None``: not there yet, or failed)."""
+
+    setting: Setting
+    seed: int
+    run_dir: Path
+    eval_path: Path
+    metrics: dict[str, Any] | None
+
+
+@dataclass
+class Stat:
+    """Mean and sample standard deviation of the values one figure took over seeds."""
+
+    values: list[float]
+
+    @property
+    def mean(self) -> float:
+        return statistics.fmean(self.values)
+
+    @property
+    def sd(self) -> float | None:
+        return statistics.stdev(self.values) if len(self.values) > 1 else None
+
+    def text(self, scale: float = 1.0, unit: str = "") -> str:
+        if not self.values:
+            return "n/a"
+        sd = self.sd
+        spread = f" ± {scale * sd:.1f}" if sd is not None else ""
+        return f"{scale * self.mean:.1f}{unit}{spread}"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"mean": self.mean if self.values else None, "sd": self.sd, "n": len(self.values)}
+
+
+@dataclass
+class Row:
+    """The figures of one setting over its seeds."""
+
+    setting: Setting
+    seeds: list[int]
+    figures: dict[str, Stat] = field(default_factory=dict)
+    buckets: dict[str, Stat] = field(default_factory=dict)
+    too_long: dict[str, int] = field(default_factory=dict)  # bucket -> sentences left out (max over seeds)
+
+
+def gather(study: Study) -> list[Run]:
+    """Every run of the grid, with its figures where they exist."""
+    runs = []
+    for setting, seed in study.grid():
+        files = study.eval_files(setting, seed)
+        runs.append(Run(setting, seed, study.run_dir(setting, seed), files.figures, files.read_figures()))
+    return runs
+
+
+def aggregate(study: Study, runs: list[Run]) -> list[Row]:
+    """One row per setting (in the study's order) with means and deviations over the seeds present."""
+    rows = []
+    for name in study.settings:
+        setting = parse_setting(name)
+        done = [r for r in runs if r.setting == setting and r.metrics is not None]
+        row = Row(setting, [r.seed for r in done])
+        figures = [r.metrics for r in done if r.metrics is not None]
+        for key in FIGURES:
+            row.figures[key] = Stat([m[key] for m in figures if m.get(key) is not None])
+        for name_ in bucket_names(runs):
+            values, left_out = [], 0
+            for r in done:
+                entry = (r.metrics or {}).get("bleu_by_length", {}).get(name_)
+                if entry is None:
+                    continue
+                if entry["bleu"] is None:
+                    left_out = max(left_out, entry["sentences"])
+                else:
+                    values.append(entry["bleu"])
+                    left_out = max(left_out, entry.get("unrepresentable", 0))
+            row.buckets[name_] = Stat(values)
+            if left_out:
+                row.too_long[name_] = left_out
+        rows.append(row)
+    return rows
+
+
+def bucket_names(runs: list[Run]) -> list[str]:
+    """The length buckets of the study's runs, shortest first."""
+    names: dict[str, None] = {}
+    for r in runs:
+        for name in (r.metrics or {}).get("bleu_by_length", {}):
+            names[name] = None
+    return sorted(names, key=lambda n: int(n.rstrip("+").split("-")[0]))
+
+
+def bucket_low(name: str) -> int:
+    """The shortest source length (words) of a bucket named ``lo-hi`` or ``lo+``."""
+    return int(name.rstrip("+").split("-")[0])
+
+
+def run_config(run: Run) -> Config | None:
+    path = run.run_dir / "config.yaml"
+    return validate(yaml.safe_load(path.read_text())) if path.is_file() else None
+
+
+def training_cap(runs: list[Run]) -> int | None:
+    """The longest training source sentence in words, when the corpus bounds it (synthetic:
+    ``data.synthetic.max_words``; real corpora: ``data.clean.max_words``); None when unknown."""
+    for run in runs:
+        cfg = run_config(run)
+        if cfg is not None:
+            d = cfg.data
+            return d.synthetic.max_words if d.corpus == "synthetic" else d.clean.max_words
+    return None
+
+
+@dataclass
+class SettingTests:
+    """Paired bootstrap tests of one setting's test hypotheses against the baseline setting's: per seed
+    (each run against the baseline's run of that seed) and pooled (the seeds' test sets one after the
+    other, every sentence paired with the same seed's baseline sentence, resampled together)."""
+
+    setting: Setting
+    baseline: Setting
+    per_seed: dict[int, PairedResult] = field(default_factory=dict)
+    pooled: PairedResult | None = None
+    missing: list[int] = field(default_factory=list)  # seeds without kept hypotheses on either side
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "baseline": self.baseline.name,
+            "per_seed": {str(seed): r.as_dict() for seed, r in self.per_seed.items()},
+            "pooled": self.pooled.as_dict() if self.pooled is not None else None,
+            "seeds_without_hypotheses": self.missing,
+        }
+
+
+def kept_hypotheses(run: Run) -> tuple[list[str], list[str]] | None:
+    """(hypotheses, references) of the run's test set as its evaluation kept them, or None."""
+    if run.metrics is None:
+        return None
+    name = run.metrics.get("test_set")
+    if name is None:  # evaluated before the set was named: the config's test split
+        cfg = run_config(run)
+        name = cfg.data.test_split if cfg is not None else None
+    return EvalFiles(run.eval_path.parent).read_set(name) if name is not None else None
+
+
+def significance(study: Study, runs: list[Run], samples: int = 1000) -> list[SettingTests]:
+    """Every setting but the baseline against the baseline (see ``SettingTests``)."""
+    baseline = parse_setting(study.baseline_setting)
+    by_cell = {(r.setting, r.seed): r for r in runs}
+    tests = []
+    for name in study.settings:
+        setting = parse_setting(name)
+        if setting == baseline:
+            continue
+        result = SettingTests(setting, baseline)
+        pooled: tuple[list[str], list[str], list[str]] = ([], [], [])
+        for seed in study.seeds:
+            mine, theirs = (by_cell.get((s, seed)) for s in (setting, baseline))
+            if mine is None or theirs is None or mine.metrics is None or theirs.metrics is None:
+                continue  # not run yet: listed as missing elsewhere
+            a, b = kept_hypotheses(mine), kept_hypotheses(theirs)
+            if a is None or b is None or a[1] != b[1]:  # no hypotheses, or not the same references
+                result.missing.append(seed)
+                continue
+            result.per_seed[seed] = paired_bootstrap(a[0], b[0], a[1], samples)
+            for part, lines in zip(pooled, (a[0], b[0], a[1]), strict=True):
+                part.extend(lines)
+        if len(result.per_seed) > 1:
+            result.pooled = paired_bootstrap(*pooled, samples)
+        elif result.per_seed:
+            result.pooled = next(iter(result.per_seed.values()))
+        tests.append(result)
+    return tests
