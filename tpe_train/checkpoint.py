@@ -1,23 +1,27 @@
-"""Final checkpoints: safetensors weights + resolved config + tokenizer, written atomically.
+"""Exports: safetensors weights + resolved config + tokenizer + hashes, what ``tpe-eval`` reads.
 
-A checkpoint directory is written under a temporary name and renamed into place only when complete,
-so an interrupted save never leaves a half-written checkpoint where a reader looks.
+An export is consolidated offline from a training checkpoint's shards (or the mean of several), one
+tensor at a time, written under a temporary name and renamed into place only when complete, so an
+interrupted export never leaves a half-written directory where a reader looks.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from tpe_train.ckpt_store import MODEL, TRAINER, CheckpointError, entries, sha256, verify
+from tpe_train.ckpt.shards import read_index, read_tensor, write_safetensors
+from tpe_train.ckpt_store import TRAINER, CheckpointError, entries, sha256, verify
 from tpe_train.config import Config, ConfigError, validate
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.data.tokenizer import load_tokenizer, vocab_hash
@@ -36,21 +40,28 @@ def build_model(cfg: Config, tok: Tokenizer) -> Transformer:
     return Transformer(cfg.model.args(tok.get_vocab_size(), PAD_ID, BOS_ID, EOS_ID))
 
 
-def save_export(directory: Path, model: Transformer, cfg: Config, tok: Tokenizer, step: int) -> Path:
-    """Write weights, config, tokenizer and metadata to ``directory`` atomically."""
+def write_export(
+    directory: Path,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    shapes: dict[str, tuple[int, ...]],
+    cfg: Config,
+    tok: Tokenizer,
+    step: int,
+) -> Path:
+    """Write weights (``tensors``, one at a time, in the order of ``shapes``), config, tokenizer and
+    metadata to ``directory`` atomically."""
     directory = Path(directory)
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", "step": str(step)})
+    written = write_safetensors(tmp / WEIGHTS, tensors, shapes, metadata={"format": "pt", "step": str(step)})
     (tmp / CONFIG).write_text(cfg.to_yaml())
     tok.save(str(tmp / TOKENIZER))
     meta = {
         "step": step,
         "vocab_hash": vocab_hash(tok),
-        "parameters": sum(v.numel() for v in state.values()),
-        "sha256": {name: sha256(tmp / name) for name in (WEIGHTS, CONFIG, TOKENIZER)},
+        "parameters": sum(math.prod(shape) for shape in shapes.values()),
+        "sha256": {WEIGHTS: written["sha256"], **{name: sha256(tmp / name) for name in (CONFIG, TOKENIZER)}},
     }
     (tmp / META).write_text(json.dumps(meta, indent=2))
     old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
@@ -104,23 +115,39 @@ def load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
 
 def export_mean(sources: list[Path], out: Path) -> Path:
     """The mean of training checkpoints' fp32 weights (accumulated in fp64) as an export at ``out``,
-    stamped with the last source's step; one source: that checkpoint. Every file read is verified
-    against its checkpoint's manifest first."""
+    stamped with the last source's step; one source: that checkpoint. Consolidated offline from the
+    checkpoints' shards one tensor at a time (memory: a few copies of the largest parameter); every
+    file read is verified against its checkpoint's manifest first."""
     first = sources[0]
     cfg = validate(yaml.safe_load((first / CONFIG).read_text()))
     tok = load_tokenizer(first / TOKENIZER)
-    total: dict[str, torch.Tensor] = {}
+    with torch.device("meta"):
+        shapes = {name: tuple(p.shape) for name, p in build_model(cfg, tok).named_parameters()}
+    indexes = []
     for path in sources:
-        verify(path, [MODEL, CONFIG, TOKENIZER])
-        weights = load_file(str(path / MODEL))
-        if total and weights.keys() != total.keys():
-            raise CheckpointError(f"{path} holds another model than {first}; average checkpoints of one run")
-        for name, value in weights.items():
-            total[name] = total[name] + value.double() if name in total else value.double()
-    model = build_model(cfg, tok)
-    model.load_state_dict({k: (v / len(sources)).float() for k, v in total.items()})
+        index = read_index(path)
+        entries = index["tensors"]
+        wrong = [n for n, shape in shapes.items() if n not in entries or tuple(entries[n]["shape"]) != shape]
+        if wrong:
+            raise CheckpointError(
+                f"{path} holds another model than {first} ({wrong[0]} missing or of another shape); average "
+                "checkpoints of one run"
+            )
+        verify(
+            path,
+            [CONFIG, TOKENIZER, TRAINER, *sorted({c["file"] for n in shapes for c in entries[n]["chunks"]})],
+        )
+        indexes.append(index)
+
+    def mean() -> Iterator[tuple[str, torch.Tensor]]:
+        for name in shapes:
+            total = read_tensor(sources[0], indexes[0], name).double()
+            for path, index in zip(sources[1:], indexes[1:], strict=True):
+                total += read_tensor(path, index, name)
+            yield name, (total / len(sources)).float()
+
     step = int(json.loads((sources[-1] / TRAINER).read_text())["step"])
-    return save_export(out, model, cfg, tok, step)
+    return write_export(out, mean(), shapes, cfg, tok, step)
 
 
 def average_last(cfg: Config, run_dir: Path) -> tuple[Transformer, dict[str, Any]]:

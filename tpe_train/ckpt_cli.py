@@ -5,11 +5,12 @@
     tpe-ckpt export CHECKPOINT|RUN_DIR --out DIR     # one checkpoint (RUN_DIR: its latest)
     tpe-ckpt reshard CHECKPOINT --config_file configs/accelerate/X.yaml --out RUN_DIR
 
-``average`` and ``export`` read the checkpoints' weights straight from their directories (verified
-against each manifest) and write an export that ``tpe-eval --checkpoint DIR`` reads: safetensors
-weights, the config and the tokenizer. ``reshard`` starts the trainer under another launch file: it
-loads the checkpoint into the new layout and saves it there (DeepSpeed shards of that layout included);
-a run resumed on another layout does the same by itself.
+``average`` and ``export`` consolidate the checkpoints' weights from their shards, one tensor at a time
+(every file verified against its manifest), into an export that ``tpe-eval --checkpoint DIR`` reads:
+safetensors weights, the config and the tokenizer. ``reshard`` starts the trainer under another launch
+file: it loads the checkpoint into the new layout and saves it there, so that each rank of that layout
+then reads exactly its own files (``--deepspeed-shards``: DeepSpeed's own shards of that layout too).
+A run resumed on another layout needs no reshard: it reads the regions it needs from any checkpoint.
 """
 
 from __future__ import annotations
@@ -94,7 +95,7 @@ def cmd_reshard(args: argparse.Namespace) -> None:
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
         "-m", "tpe_train.train", "--preset", str(out / "source-config.yaml"),
         f"train.run_dir={out}", f"train.resume={path}", f"train.max_steps={step}", "eval.at_end=false",
-        "train.progress=false",
+        "train.progress=false", f"train.deepspeed_shards={args.deepspeed_shards}",
     ]  # fmt: skip
     result = subprocess.run(cmd, env={**os.environ})
     if result.returncode != 0:
@@ -121,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint")
     p.add_argument("--config_file", required=True, help="accelerate launch file of the new layout")
     p.add_argument("--out", required=True, help="a new run directory")
+    p.add_argument("--deepspeed-shards", action="store_true", help="also write DeepSpeed's own shard files")
     p.set_defaults(fn=cmd_reshard)
     args = parser.parse_args(argv)
     if getattr(args, "last", 1) < 1:

@@ -2,20 +2,21 @@
 
 One checkpoint is a directory ``<run_dir>/checkpoints/step-<8 digits>/``:
 
-- ``model.safetensors``, ``optimizer.safetensors``: the full fp32 weights and Adam moments of the
-  single-device model (``parallel.portable``): what resuming, averaging and exporting read, in any
-  layout, without unpickling anything;
-- ``deepspeed/``: every rank's own DeepSpeed shards, written through accelerate's ``save_state`` (for
-  DeepSpeed's tools: ``zero_to_fp32``, universal conversion); never read by tpe-train;
+- ``model-<rank>.safetensors``, ``optimizer-<rank>.safetensors``: the pieces of the single-device
+  model's fp32 weights and Adam moments that each rank holds (its ZeRO partition, its tensor-parallel
+  slice), and ``index.json``, which says for every piece which region of which tensor it is
+  (``ckpt.shards``): what resuming in any layout, averaging and exporting read, without unpickling;
 - ``trainer.json``: step, tokens seen, data position, scheduler, Adam's step count, loss scaler,
   the layout that wrote it; ``rank-<5 digits>.json``: each rank's RNG states (and stream position);
-- ``config.yaml``, ``tokenizer.json``;
+- ``config.yaml``, ``tokenizer.json``; with ``train.deepspeed_shards``, ``deepspeed/``: every rank's
+  own DeepSpeed shards (for DeepSpeed's tools), never read by tpe-train;
 - ``manifest.json``, written last: every file with its size and SHA-256. No manifest, no checkpoint.
 
-Protocol: all ranks write under ``.tmp-step-…``; when every rank reports success rank 0 writes the
-manifest, renames the directory into place and only then moves ``latest`` (a one-line file, replaced
-atomically). A crash at any moment leaves either the previous state or the new complete checkpoint;
-leftovers (``.tmp-*``, directories without a valid manifest) are reported, skipped and removed.
+Protocol: all ranks write under ``.tmp-step-…`` (hashing their files as they write them); when every
+rank reports success rank 0 writes the index and the manifest, renames the directory into place and
+only then moves ``latest`` (a one-line file, replaced atomically). A crash at any moment leaves either
+the previous state or the new complete checkpoint; leftovers (``.tmp-*``, directories without a valid
+manifest) are reported, skipped and removed.
 """
 
 from __future__ import annotations
@@ -36,9 +37,8 @@ from tpe_train.config import Config
 LATEST = "latest"
 MANIFEST = "manifest.json"
 TRAINER = "trainer.json"
-MODEL = "model.safetensors"
-OPTIMIZER = "optimizer.safetensors"
-FORMAT = "tpe-train-checkpoint/1"
+FORMAT = "tpe-train-checkpoint/2"
+FORMATS = (FORMAT, "tpe-train-checkpoint/1")  # /1: every tensor whole, in model/optimizer.safetensors
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -77,12 +77,13 @@ def write_json(path: Path, data: Any) -> None:
         os.fsync(f.fileno())
 
 
-def write_manifest(directory: Path, step: int, layout: dict[str, Any]) -> None:
-    """List every file with size and hash; written last, it is what makes the checkpoint complete."""
+def write_manifest(directory: Path, step: int, layout: dict[str, Any], known: dict[str, Any]) -> None:
+    """List every file with size and hash (``known``: those hashed while written; any other file is
+    hashed here); written last, it is what makes the checkpoint complete."""
     files = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         rel = str(path.relative_to(directory))
-        files[rel] = {"size": path.stat().st_size, "sha256": sha256(path)}
+        files[rel] = known.get(rel) or {"size": path.stat().st_size, "sha256": sha256(path)}
     write_json(directory / MANIFEST, {"format": FORMAT, "step": step, "layout": layout, "files": files})
 
 
@@ -124,7 +125,7 @@ def inspect(path: Path) -> Entry:
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
-        assert manifest.get("format") == FORMAT
+        assert manifest.get("format") in FORMATS
     except (ValueError, KeyError, AssertionError):
         return Entry(path, step, False, "unreadable manifest", size, {})
     for rel, info in files.items():

@@ -323,6 +323,12 @@ class TrainConfig(Section):
     """Also keep every checkpoint whose step is a multiple of this (0: none)."""
     resume: str = "auto"
     """auto: continue from the run directory's latest complete checkpoint; never; or a checkpoint path."""
+    async_save: bool = False
+    """Save in the background: the state is copied to host memory, then written while training goes on;
+    the next save, the end and a preemption signal wait for it, and it is published only when complete."""
+    deepspeed_shards: bool = False
+    """Also write DeepSpeed's own shard files (checkpoint's deepspeed/, for zero_to_fp32 and universal
+    conversion); tpe-train never reads them, and they double the bytes written."""
     log_samples: bool = False
     """Write the pair ids of every training batch to <run_dir>/samples/rank-<r>.jsonl (audits resume)."""
 

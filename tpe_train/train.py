@@ -23,7 +23,7 @@ from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
 from tpe_train import snapshot
-from tpe_train.checkpoint import average_last, build_model, parameter_count, save_export
+from tpe_train.checkpoint import average_last, build_model, export_mean, load_export, parameter_count
 from tpe_train.ckpt_store import CheckpointError, check_compatible, latest_complete
 from tpe_train.config import Config, ConfigError, load_config
 from tpe_train.data.corpus import Prepared, TrainBatches, prepare
@@ -35,7 +35,6 @@ from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layou
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report
 from tpe_train.parallel.plan import shard_positions
-from tpe_train.parallel.portable import full_weights
 from tpe_train.step import inverse_sqrt, seed_everything, train_step, validate
 
 
@@ -129,8 +128,9 @@ def run(cfg: Config) -> dict[str, Any]:
     engine = build_engine(cfg, data, ctx, layout)
     batches = TrainBatches(data, cfg.data, cfg.train.seed, ctx.dp_rank, ctx.dp_size)
     progress = snapshot.Progress()
+    checkpointer = snapshot.Checkpointer(ckpt_root, cfg, engine, data.tokenizer, batches, layout.zero_stage)
     if start is not None:
-        progress = snapshot.restore(start, engine, cfg, data.tokenizer, batches)
+        progress = checkpointer.restore(start)
     cast = cfg.train.bf16 and not engine.uses_deepspeed  # DeepSpeed holds bf16 weights itself
     reports = ctx.gather(memory_report(engine.module, engine.optimizer, ctx.rank, layout))
     samples = _sample_log(cfg, ctx)
@@ -155,9 +155,6 @@ def run(cfg: Config) -> dict[str, Any]:
         for r in reports:
             print(f"tpe-train: memory {r.line()}")
         (run_dir / "memory.json").write_text(json.dumps([r.as_dict() for r in reports], indent=2))
-
-    def save() -> Path:
-        return snapshot.save(ckpt_root, progress, engine, cfg, data.tokenizer, batches, layout.zero_stage)
 
     show = cfg.train.progress and ctx.is_main
     bar = tqdm(total=cfg.train.max_steps, initial=progress.step, disable=not show, dynamic_ncols=True)
@@ -190,7 +187,7 @@ def run(cfg: Config) -> dict[str, Any]:
             or step == cfg.train.max_steps
             or (cfg.train.save_every and step % cfg.train.save_every == 0)
         ):
-            path = save()
+            path = checkpointer.save(progress, wait=preempted)  # in the background with train.async_save
             if ctx.is_main:
                 tqdm.write(f"tpe-train: checkpoint {path}")
         if preempted:
@@ -200,16 +197,16 @@ def run(cfg: Config) -> dict[str, Any]:
             raise Preempted
         bar.update(1)
     bar.close()
+    checkpointer.wait()
     latest = latest_complete(ckpt_root)[0]
     if latest is None or latest.step != progress.step:  # e.g. resumed from elsewhere with no step left
-        save()
-
-    weights = full_weights(engine)  # every rank takes part; rank 0 writes and evaluates
+        last = checkpointer.save(progress, wait=True)
+    else:
+        last = latest.path
     metrics: dict[str, Any] = {}
-    if ctx.is_main:
-        final = build_model(cfg, data.tokenizer)
-        final.load_state_dict(weights)
-        checkpoint = save_export(run_dir / "checkpoint", final, cfg, data.tokenizer, progress.step)
+    if ctx.is_main:  # the export is consolidated from the last checkpoint's shards, one tensor at a time
+        checkpoint = export_mean([last], run_dir / "checkpoint")
+        final = load_export(checkpoint)[0]
         metrics["checkpoint"] = str(checkpoint)
         if cfg.eval.average_last > 1:
             final, metrics["averaged"] = average_last(cfg, run_dir)

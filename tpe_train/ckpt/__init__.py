@@ -1,0 +1,1 @@
+"""Everything a run keeps on disk (see the modules)."""
