@@ -16,13 +16,14 @@ on a small batch, so that Adam's moments exist. In that one process group, in th
   shards (``accelerator.save_state``); its load reads the whole files on every rank and scatters them.
 
 Memory is each rank's peak resident set during the call over its resident set when the call starts
-(``VmHWM`` after resetting it through ``/proc/self/clear_refs``), so it counts what the call adds. The
-sharded rows run first: memory the allocator keeps from them can only lower the gathering rows' figures.
+(``VmHWM`` after resetting it through ``/proc/self/clear_refs``, free heap returned to the system with
+``malloc_trim`` first), so it counts what the call adds. Time is the slowest rank's wall time.
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import os
 import shutil
@@ -102,7 +103,9 @@ def resident() -> dict[str, int]:
 
 
 def measure(fn: Callable[[], Any]) -> dict[str, float]:
-    """Wall time of ``fn`` and the most memory it added to this process at any moment."""
+    """Wall time of ``fn`` and the most memory it added to this process at any moment. Free heap
+    memory goes back to the system first (else a call reusing it would look free of cost)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
     before = resident()["VmRSS"]
     start = time.perf_counter()
@@ -139,7 +142,8 @@ def worker(out_json: Path, work: Path, preset: str) -> None:
     from tpe_train.snapshot import Checkpointer, Progress
     from tpe_train.step import inverse_sqrt, train_step
 
-    cfg = load_config(preset, ["train.threads=1", "train.keep_last=1", "train.clip_norm=0"])
+    overrides = ["train.threads=1", "eval.average_last=1", "train.keep_last=1", "train.clip_norm=0"]
+    cfg = load_config(preset, overrides)
     layout = resolve_layout(cfg)
     ctx = ParallelContext.from_env(layout.tp_size, deepspeed=True)
     torch.set_num_threads(1)
@@ -192,8 +196,10 @@ def worker(out_json: Path, work: Path, preset: str) -> None:
     if ctx.is_main:
         summary = {key: everyone[0][key] for key in ("parameters", "world_size", "zero_stage")}
         summary["ranks"] = everyone
+        step = "step-00000001"
         summary["bytes"] = {
-            "sharded": size_of(work / "sharded" / "step-00000001"),
+            "sharded": size_of(work / "sharded" / step),
+            "async": size_of(work / "async" / step),
             "gathering": size_of(gathered),
         }
         out_json.write_text(json.dumps(summary, indent=1))
