@@ -7,7 +7,7 @@ ZeRO-3 with 2 and 4 processes, ZeRO-2 with 2), holding the ``wmt14_en_de_big`` m
 heads, FFN 4096, 6 + 6 layers, shared vocabulary 37,000: 213M parameters) after one real optimizer step
 on a small batch, so that Adam's moments exist. In that one process group, in this order:
 
-- ``sharded``: ``snapshot.Checkpointer.save`` (each rank writes its own pieces), then ``restore``;
+- ``sharded``: ``ckpt.state.Checkpointer.save`` (each rank writes its own pieces), then ``restore``;
 - ``sharded async``: the same with ``train.async_save``: the blocking part (staging the rank's pieces in
   host memory) and the total until the checkpoint is published;
 - ``gathering``: the save this replaced, kept below as the peer: every rank gathers the whole model
@@ -37,13 +37,13 @@ from typing import Any
 
 import torch
 
-from tpe_train.ckpt_store import sha256
+from tpe_train.ckpt.store import sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {"zero3x2": ("zero3.json", 2), "zero3x4": ("zero3.json", 4), "zero2x2": ("zero2.json", 2)}
 
 
-# --- the gathering save and load this issue replaced (tpe_train/parallel/portable.py before it) ----------
+# --- the gathering save and load that sharded checkpoints replaced (the former parallel/portable.py) ----
 
 
 def gather_state(engine: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -133,13 +133,13 @@ class Position:
 def worker(out_json: Path, work: Path, preset: str) -> None:
     from tokenizers import Tokenizer, models
 
+    from tpe_train.ckpt.state import Checkpointer, Progress
     from tpe_train.config import load_config
     from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID, Batch, pad
     from tpe_train.model.transformer import Transformer
     from tpe_train.parallel.context import ParallelContext
     from tpe_train.parallel.deepspeed import deepspeed_config, resolve_layout
     from tpe_train.parallel.engine import Engine
-    from tpe_train.snapshot import Checkpointer, Progress
     from tpe_train.step import inverse_sqrt, train_step
 
     overrides = ["train.threads=1", "eval.average_last=1", "train.keep_last=1", "train.clip_norm=0"]

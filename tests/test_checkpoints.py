@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import load_file
 
 from tpe_train.ckpt.shards import iter_tensors, read_index
-from tpe_train.ckpt_store import entries, sha256
+from tpe_train.ckpt.store import entries, sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -244,7 +244,7 @@ def test_a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path: P
 
 
 def tpe_ckpt(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpe_train.ckpt_cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "tpe_train.ckpt.cli", *args], capture_output=True, text=True)
 
 
 def test_the_final_model_is_the_mean_of_the_last_checkpoints_when_asked(tmp_path: Path) -> None:

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tpe_train.ckpt.shards import iter_tensors, read_index
-from tpe_train.ckpt_store import entries
+from tpe_train.ckpt.store import entries
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
@@ -228,7 +228,7 @@ def test_a_checkpoint_resharded_for_tp2_resumes_on_one_process(dp2_reference: Pa
     out = tmp_path / "resharded"
     src = dp2_reference / "checkpoints" / "step-00000004"
     proc = subprocess.run(
-        [sys.executable, "-m", "tpe_train.ckpt_cli", "reshard", str(src), "--config_file",
+        [sys.executable, "-m", "tpe_train.ckpt.cli", "reshard", str(src), "--config_file",
          str(ROOT / "configs/accelerate/cpu_tp2.yaml"), "--out", str(out), "--deepspeed-shards"],
         cwd=ROOT, env=env(tmp_path), capture_output=True, text=True,
     )  # fmt: skip

@@ -328,7 +328,7 @@ def format_table(metrics: dict[str, Any]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     """``tpe-eval``: score a checkpoint on its corpus's test, extrapolation and probe sets."""
-    from tpe_train.checkpoint import load_export
+    from tpe_train.ckpt.export import load_export
     from tpe_train.parallel.context import local_device
 
     parser = argparse.ArgumentParser(prog="tpe-eval", description=__doc__)

@@ -22,9 +22,10 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from tpe_train import snapshot
-from tpe_train.checkpoint import average_last, build_model, export_mean, load_export, parameter_count
-from tpe_train.ckpt_store import CheckpointError, check_compatible, latest_complete
+from tpe_train.ckpt.export import average_last, build_model, export_mean, load_export, parameter_count
+from tpe_train.ckpt.rundir import RunDir
+from tpe_train.ckpt.state import Checkpointer, Progress
+from tpe_train.ckpt.store import MANIFEST, CheckpointError, check_compatible, latest_complete
 from tpe_train.config import Config, ConfigError, load_config
 from tpe_train.data.corpus import Prepared, TrainBatches, prepare
 from tpe_train.data.sources import CorpusError
@@ -59,7 +60,7 @@ def prepare_data(cfg: Config, ctx: ParallelContext) -> Prepared:
     """The token store, built by rank 0 while the others wait, then read by all (memory-mapped)."""
     if ctx.distributed and not ctx.is_main:
         dist.barrier()
-    data = prepare(cfg.data, run_tokenizer=cfg.run_dir() / "tokenizer.json" if ctx.is_main else None)
+    data = prepare(cfg.data, run_tokenizer=RunDir(cfg.run_dir()).tokenizer if ctx.is_main else None)
     if ctx.distributed and ctx.is_main:
         dist.barrier()
     return data
@@ -99,14 +100,14 @@ def resume_point(cfg: Config, ctx: ParallelContext) -> Path | None:
         return None
     if cfg.train.resume != "auto":
         path = Path(cfg.train.resume)
-        entry = latest_complete(path)[0] if path.name == "checkpoints" else None
-        if not (path / "manifest.json").is_file() and entry is None:
+        entry = latest_complete(path)[0] if RunDir.of_checkpoints(path) else None
+        if not (path / MANIFEST).is_file() and entry is None:
             raise CheckpointError(
                 f"train.resume={path} is not a complete checkpoint (no manifest.json); pass a "
                 "<run_dir>/checkpoints/step-* directory listed complete by `tpe-ckpt list`, or auto / never"
             )
         return entry.path if entry is not None else path
-    entry, skipped = latest_complete(cfg.run_dir() / "checkpoints")
+    entry, skipped = latest_complete(RunDir(cfg.run_dir()).checkpoints)
     for bad in skipped if ctx.is_main else []:
         print(f"tpe-train: skipping incomplete checkpoint {bad.path} ({bad.reason})")
     return entry.path if entry is not None else None
@@ -119,7 +120,7 @@ def run(cfg: Config) -> dict[str, Any]:
     seed_everything(cfg.train.seed)
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
-    run_dir, ckpt_root = cfg.run_dir(), cfg.run_dir() / "checkpoints"
+    run_dir = RunDir(cfg.run_dir())
     start = resume_point(cfg, ctx)
     if start is not None:
         check_compatible(start, cfg)  # another model stops here, before any work
@@ -127,18 +128,18 @@ def run(cfg: Config) -> dict[str, Any]:
     data = prepare_data(cfg, ctx)
     engine = build_engine(cfg, data, ctx, layout)
     batches = TrainBatches(data, cfg.data, cfg.train.seed, ctx.dp_rank, ctx.dp_size)
-    progress = snapshot.Progress()
-    checkpointer = snapshot.Checkpointer(ckpt_root, cfg, engine, data.tokenizer, batches, layout.zero_stage)
+    progress = Progress()
+    checkpointer = Checkpointer(run_dir.checkpoints, cfg, engine, data.tokenizer, batches, layout.zero_stage)
     if start is not None:
         progress = checkpointer.restore(start)
     cast = cfg.train.bf16 and not engine.uses_deepspeed  # DeepSpeed holds bf16 weights itself
     reports = ctx.gather(memory_report(engine.module, engine.optimizer, ctx.rank, layout))
     samples = _sample_log(cfg, ctx)
-    writer = SummaryWriter(str(run_dir / "tb")) if ctx.is_main else None
+    writer = SummaryWriter(str(run_dir.tensorboard)) if ctx.is_main else None
     if ctx.is_main:
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())  # resolved config, before step 1
+        run_dir.config.write_text(cfg.to_yaml())  # resolved config, before step 1
         if engine.uses_deepspeed:
-            (run_dir / "deepspeed.json").write_text(json.dumps(deepspeed_config(cfg, layout), indent=2))
+            run_dir.deepspeed_config.write_text(json.dumps(deepspeed_config(cfg, layout), indent=2))
         for line in data.splits.report:
             print(f"tpe-train: cleaning {line}")
         print(
@@ -147,14 +148,14 @@ def run(cfg: Config) -> dict[str, Any]:
             f"{'streamed' if cfg.data.streaming else len(data.train)} training pairs "
             f"({data.dropped_too_long} longer than data.max_len dropped) | vocab "
             f"{data.tokenizer.get_vocab_size()} | token store {data.store} "
-            f"({'built' if data.built else 'reused'}) | run dir {run_dir}"
+            f"({'built' if data.built else 'reused'}) | run dir {run_dir.path}"
         )
         print(f"tpe-train: {ctx.describe()} | ZeRO {layout.zero_stage} | {layout.source}")
         if start is not None:
             print(f"tpe-train: resumed from {start} at step {progress.step}")
         for r in reports:
             print(f"tpe-train: memory {r.line()}")
-        (run_dir / "memory.json").write_text(json.dumps([r.as_dict() for r in reports], indent=2))
+        run_dir.memory.write_text(json.dumps([r.as_dict() for r in reports], indent=2))
 
     show = cfg.train.progress and ctx.is_main
     bar = tqdm(total=cfg.train.max_steps, initial=progress.step, disable=not show, dynamic_ncols=True)
@@ -192,20 +193,20 @@ def run(cfg: Config) -> dict[str, Any]:
                 tqdm.write(f"tpe-train: checkpoint {path}")
         if preempted:
             if ctx.is_main:
-                (run_dir / "preempted.json").write_text(json.dumps({"step": step, "checkpoint": str(path)}))
+                run_dir.preempted.write_text(json.dumps({"step": step, "checkpoint": str(path)}))
                 print(f"tpe-train: preempted at step {step}; checkpoint {path}; exiting {EXIT_PREEMPTED}")
             raise Preempted
         bar.update(1)
     bar.close()
     checkpointer.wait()
-    latest = latest_complete(ckpt_root)[0]
+    latest = latest_complete(run_dir.checkpoints)[0]
     if latest is None or latest.step != progress.step:  # e.g. resumed from elsewhere with no step left
         last = checkpointer.save(progress, wait=True)
     else:
         last = latest.path
     metrics: dict[str, Any] = {}
     if ctx.is_main:  # the export is consolidated from the last checkpoint's shards, one tensor at a time
-        checkpoint = export_mean([last], run_dir / "checkpoint")
+        checkpoint = export_mean([last], run_dir.export)
         final = load_export(checkpoint)[0]
         metrics["checkpoint"] = str(checkpoint)
         if cfg.eval.average_last > 1:
@@ -216,7 +217,7 @@ def run(cfg: Config) -> dict[str, Any]:
             for name in ("bleu", "chrf", "exact_match", "probe_accuracy"):
                 if metrics[name] is not None:
                     _log(writer, {f"test/{name}": metrics[name]}, progress.step)
-            (run_dir / "eval.json").write_text(json.dumps(metrics, indent=2))
+            run_dir.eval.write_text(json.dumps(metrics, indent=2))
             print(format_table(metrics))
         assert writer is not None
         writer.close()
@@ -228,7 +229,7 @@ def _sample_log(cfg: Config, ctx: ParallelContext) -> Any:
     """Per data-parallel rank, the ids of every batch trained on (appended; a resumed run continues)."""
     if not cfg.train.log_samples or ctx.tp_rank != 0:
         return None
-    path = cfg.run_dir() / "samples" / f"rank-{ctx.dp_rank:05d}.jsonl"
+    path = RunDir(cfg.run_dir()).samples(ctx.dp_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     return open(path, "a")  # kept open for the whole run
 

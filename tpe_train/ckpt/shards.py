@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from tpe_train.ckpt_store import CheckpointError, verify
+from tpe_train.ckpt.store import CheckpointError, verify
 
 INDEX = "index.json"
 FORMAT = "tpe-train-shards/1"

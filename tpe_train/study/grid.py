@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tpe_train.ckpt.rundir import EVAL, RunDir
 from tpe_train.config import Config, ConfigError, load_config
 from tpe_train.positions import POSITIONS
 
@@ -150,13 +151,13 @@ class Study:
 
     def averaged_dir(self, setting: Setting, seed: int) -> Path:
         """Where the average of the last ``average`` checkpoints goes (as ``tpe-launch --script eval``)."""
-        return self.run_dir(setting, seed) / f"averaged-last{self.average}"
+        return RunDir(self.run_dir(setting, seed)).averaged(self.average)
 
     def eval_path(self, setting: Setting, seed: int) -> Path:
         """The figures the report uses: the averaged model's when the study averages."""
         if self.average:
-            return self.averaged_dir(setting, seed) / "eval.json"
-        return self.run_dir(setting, seed) / "eval.json"
+            return self.averaged_dir(setting, seed) / EVAL
+        return RunDir(self.run_dir(setting, seed)).eval
 
     @property
     def report_dir(self) -> Path:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import yaml
 
+from tpe_train.ckpt.rundir import EVAL, RunDir
 from tpe_train.exits import EXIT_PREEMPTED
 from tpe_train.study.grid import Setting, Study, StudyError
 
@@ -138,7 +139,7 @@ def _train_and_evaluate(
     """One run of the grid: train it (unless its export was evaluated already), average and evaluate
     with ``average``; ``ok``, ``failed`` or ``preempted``."""
     run_dir = study.run_dir(setting, seed)
-    if not (run_dir / "eval.json").is_file():
+    if not RunDir(run_dir).eval.is_file():
         run_dir.mkdir(parents=True, exist_ok=True)
         log = run_dir / "study.log"
         say(f"{label}: training in {run_dir} (log: {log})")
@@ -146,7 +147,7 @@ def _train_and_evaluate(
         code = runs.run_logged(study.train_command(setting, seed, extra), env, log, echo)
         if code == EXIT_PREEMPTED:
             return "preempted"
-        if code != 0 or not (run_dir / "eval.json").is_file():
+        if code != 0 or not RunDir(run_dir).eval.is_file():
             say(f"{label}: FAILED (exit {code}); the end of {log}:\n{_tail(log)}")
             return "failed"
         say(f"{label}: trained in {time.perf_counter() - start:.0f} s")
@@ -230,8 +231,8 @@ def average_and_evaluate(study: Study, setting: Setting, seed: int) -> Path:
     the figures go to ``RUN/averaged-lastN/eval.json``."""
     import torch
 
-    from tpe_train.checkpoint import load_export
-    from tpe_train.ckpt_cli import main as ckpt_main
+    from tpe_train.ckpt.cli import main as ckpt_main
+    from tpe_train.ckpt.export import load_export
     from tpe_train.data.corpus import test_splits
     from tpe_train.evaluate import evaluate
 
@@ -243,7 +244,7 @@ def average_and_evaluate(study: Study, setting: Setting, seed: int) -> Path:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     metrics = evaluate(model, tok, test_splits(cfg.data), cfg.eval, lang=cfg.data.tgt_lang)
-    path = out / "eval.json"
+    path = out / EVAL
     path.write_text(json.dumps(metrics, indent=2))
     return path
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import yaml
 
+from tpe_train.ckpt.rundir import CONFIG
 from tpe_train.config import Config
 
 LATEST = "latest"
@@ -182,7 +183,7 @@ def verify(path: Path, names: list[str]) -> None:
 def check_compatible(path: Path, cfg: Config, vocab: str | None = None) -> None:
     """Refuse a checkpoint of another model config or tokenizer (``vocab``: the tokenizer's hash, when
     known), naming what differs."""
-    saved = yaml.safe_load((path / "config.yaml").read_text())
+    saved = yaml.safe_load((path / CONFIG).read_text())
     ours = cfg.model_dump(mode="json")["model"]
     differences = _diff(saved.get("model", {}), ours, "model")
     if differences:

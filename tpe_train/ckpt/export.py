@@ -20,19 +20,16 @@ import yaml
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
+from tpe_train.ckpt.rundir import CONFIG, TOKENIZER, RunDir
 from tpe_train.ckpt.shards import read_index, read_tensor, write_safetensors
-from tpe_train.ckpt_store import TRAINER, CheckpointError, entries, sha256, verify
+from tpe_train.ckpt.store import TRAINER, CheckpointError, entries, sha256, verify
 from tpe_train.config import Config, ConfigError, validate
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.data.tokenizer import load_tokenizer, vocab_hash
 from tpe_train.model.transformer import Transformer
 
-WEIGHTS, CONFIG, TOKENIZER, META = (
-    "model.safetensors",
-    "config.yaml",
-    "tokenizer.json",
-    "meta.json",
-)
+#: An export's files besides ``CONFIG`` and ``TOKENIZER``: the weights, and hashes and step.
+WEIGHTS, META = "model.safetensors", "meta.json"
 
 
 def build_model(cfg: Config, tok: Tokenizer) -> Transformer:
@@ -150,15 +147,15 @@ def export_mean(sources: list[Path], out: Path) -> Path:
     return write_export(out, mean(), shapes, cfg, tok, step)
 
 
-def average_last(cfg: Config, run_dir: Path) -> tuple[Transformer, dict[str, Any]]:
+def average_last(cfg: Config, run_dir: RunDir) -> tuple[Transformer, dict[str, Any]]:
     """The final model of ``eval.average_last`` N > 1: the mean of the run's last N complete
     checkpoints, exported to ``<run_dir>/averaged-lastN`` (what ``tpe-ckpt average`` writes), read back."""
     n = cfg.eval.average_last
-    chosen = [e for e in entries(run_dir / "checkpoints") if e.complete][-n:]
+    chosen = [e for e in entries(run_dir.checkpoints) if e.complete][-n:]
     if len(chosen) < n:
         print(f"tpe-train: eval.average_last={n}, but the run has {len(chosen)} complete checkpoints; "
               "averaging those")  # fmt: skip
-    export = export_mean([e.path for e in chosen], run_dir / f"averaged-last{n}")
+    export = export_mean([e.path for e in chosen], run_dir.averaged(n))
     names = [e.path.name for e in chosen]
     print(f"tpe-train: final model = mean of {', '.join(names)} -> {export}")
     model, _, _ = load_export(export)

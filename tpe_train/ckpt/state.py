@@ -3,7 +3,7 @@
 ``Checkpointer.save`` writes one checkpoint, ``Checkpointer.restore`` puts one back into the engine and
 the data stream, whatever layout wrote it. Each rank writes only what it holds (``ckpt.holdings``) as
 regions of the single-device tensors (``ckpt.shards``) and reads back only the regions its own layout
-needs; ``ckpt_store`` describes the directory and the publishing protocol. The RNG states of every
+needs; ``ckpt.store`` describes the directory and the publishing protocol. The RNG states of every
 rank are restored when the layout is the same; on another layout each rank's stream is derived from
 (seed, step, data-parallel rank) instead.
 
@@ -34,6 +34,7 @@ import torch.distributed as dist
 from tokenizers import Tokenizer
 
 from tpe_train.ckpt.holdings import MOMENTS, adam_steps, after_load, before_load, holdings
+from tpe_train.ckpt.rundir import CONFIG, TOKENIZER
 from tpe_train.ckpt.shards import (
     INDEX,
     Piece,
@@ -44,7 +45,7 @@ from tpe_train.ckpt.shards import (
     read_index,
     save_pieces,
 )
-from tpe_train.ckpt_store import (
+from tpe_train.ckpt.store import (
     TRAINER,
     CheckpointError,
     check_compatible,
@@ -201,8 +202,8 @@ class Checkpointer:
                 "vocab_hash": vocab_hash(self.tok),
             }
             texts[TRAINER] = json.dumps(trainer, indent=1)
-            texts["config.yaml"] = self.cfg.to_yaml()
-            texts["tokenizer.json"] = self.tok.to_str(pretty=True)
+            texts[CONFIG] = self.cfg.to_yaml()
+            texts[TOKENIZER] = self.tok.to_str(pretty=True)
         return texts
 
     def _write(self, job: _Job) -> None:
