@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
@@ -86,9 +87,16 @@ def test_saving_keeps_the_last_k_and_every_mth_with_a_manifest(tmp_path: Path) -
     assert trainer["layout"] == {"world_size": 1, "tp_size": 1, "dp_size": 1, "zero_stage": None}
 
 
-def test_n_steps_resume_n_steps_equals_2n_steps_bitwise(tmp_path: Path) -> None:
-    whole, halves = tmp_path / "whole", tmp_path / "halves"
-    train(whole, "train.max_steps=12", "train.save_every=0")
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """12 steps without a break, saved at the end only: the reference of the exact-resume tests."""
+    run = tmp_path_factory.mktemp("whole") / "run"
+    train(run, "train.max_steps=12", "train.save_every=0")
+    return run
+
+
+def test_n_steps_resume_n_steps_equals_2n_steps_bitwise(whole: Path, tmp_path: Path) -> None:
+    halves = tmp_path / "halves"
     train(halves, "train.max_steps=6", "train.save_every=0")
     proc = train(halves, "train.max_steps=12", "train.save_every=0")
     assert "resumed from" in proc.stdout and "at step 6" in proc.stdout
@@ -160,25 +168,24 @@ def test_sigterm_alone_waits_for_the_background_save_then_saves_and_exits_75(tmp
 
 
 def test_async_save_trains_on_meanwhile_and_a_crash_mid_write_keeps_the_previous_checkpoint(
-    tmp_path: Path,
+    whole: Path, tmp_path: Path
 ) -> None:
-    """Training goes on while the step-6 checkpoint is written in the background; SIGKILL before it is
-    complete leaves step 3 as the resume point, and the resumed run ends bitwise where an uninterrupted
-    run with blocking saves ends, having trained on the same batches."""
-    whole, run = tmp_path / "whole", tmp_path / "run"
-    train(whole, "train.max_steps=8", "train.save_every=3")
-    proc = start(run, "train.max_steps=8", "train.save_every=3", "train.async_save=true",
-                 TPE_FAULT_SAVE_DELAY="300@6")  # fmt: skip
-    wait_for(proc, lambda: (run / "checkpoints" / ".tmp-step-00000006").exists() and lines(run) >= 7)
+    """Training goes on while the step-8 checkpoint is written in the background; SIGKILL before it is
+    complete leaves step 4 as the resume point, and the resumed run ends bitwise where the uninterrupted
+    run ends, having trained on the same batches."""
+    run = tmp_path / "run"
+    proc = start(run, "train.max_steps=12", "train.save_every=4", "train.async_save=true",
+                 TPE_FAULT_SAVE_DELAY="300@8")  # fmt: skip
+    wait_for(proc, lambda: (run / "checkpoints" / ".tmp-step-00000008").exists() and lines(run) >= 9)
     proc.kill()
     proc.communicate()
-    assert steps_of(run) == [3]
-    out = train(run, "train.max_steps=8", "train.save_every=3", "train.async_save=true").stdout
-    assert "step-00000003 at step 3" in out
-    assert steps_of(run) == [3, 6, 8]
-    a, b = weights(whole / "checkpoints/step-00000008"), weights(run / "checkpoints/step-00000008")
+    assert steps_of(run) == [4]
+    out = train(run, "train.max_steps=12", "train.save_every=4", "train.async_save=true").stdout
+    assert "step-00000004 at step 4" in out
+    assert steps_of(run) == [4, 8, 12]
+    a, b = weights(whole / "checkpoints/step-00000012"), weights(run / "checkpoints/step-00000012")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    last = {r["step"]: r["ids"] for r in samples(run)}  # the steps after 3 were trained twice: the last wins
+    last = {r["step"]: r["ids"] for r in samples(run)}  # the steps after 4 were trained twice: the last wins
     assert last == {r["step"]: r["ids"] for r in samples(whole)}
 
 

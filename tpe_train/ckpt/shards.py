@@ -14,7 +14,10 @@ with the chunks a rank of another layout needs.
 Files are safetensors, written here as a stream (one chunk at a time, hashed while written, so that the
 manifest needs no second pass over the data) and read back with plain reads of the bytes a region needs
 (no memory map whose pages would stay resident). ``index.json`` lists every chunk of every tensor:
-nothing on the load path unpickles anything.
+nothing on the load path unpickles anything. DCP's own storage layer does not give that: its
+``FileSystemReader`` unpickles the ``.metadata`` file (plain ``pickle.load``) and every tensor
+(``torch.load``), and its safetensors variant (``HuggingFaceStorageWriter``) keys a file's tensors by
+name, one chunk per tensor and file, where a ZeRO fragment is several chunks of one tensor.
 """
 
 from __future__ import annotations
