@@ -28,6 +28,7 @@ from launcher.plan import (
     override_keys,
     sweep_overrides,
 )
+from tpe_train.ckpt.rundir import RunDir
 
 TEMPLATE_DIR = ROOT / "slurm"
 SCRIPTS = ("train", "sweep_positions", "eval")
@@ -198,8 +199,8 @@ def build(args: SubmitArgs) -> Submission:
         run_dir, preset_name, _ = _config_run_dir(args.preset, overrides)
         run_dir = workdir / run_dir
         sub.run_dirs["run dir"] = run_dir
-        sub.log = str(run_dir / "slurm-%j.out")
-        sub.tensorboard = run_dir / "tb"
+        sub.log = str(RunDir(run_dir).slurm_log("%j"))
+        sub.tensorboard = RunDir(run_dir).tensorboard
         values["status_dir"] = shlex.quote(str(run_dir))  # shared by the nodes: their status records
         name = args.job_name or f"tpe-{preset_name}"
         node_overrides = overrides
@@ -250,8 +251,10 @@ def _build_eval(args: SubmitArgs, res: Resources, values: dict[str, str], workdi
         raise LaunchError(f"--last must be at least 1 (got {args.last})")
     run_dir, preset_name, _ = _config_run_dir(args.preset, list(args.overrides))
     run_dir = workdir / run_dir
-    out = workdir / args.out if args.out else run_dir / f"averaged-last{args.last}"
-    sub = Submission("eval", "", str(run_dir / "slurm-eval-%j.out"), {"run dir": run_dir, "averaged": out})
+    out = workdir / args.out if args.out else RunDir(run_dir).averaged(args.last)
+    sub = Submission(
+        "eval", "", str(RunDir(run_dir).slurm_log("eval-%j")), {"run dir": run_dir, "averaged": out}
+    )
     values.update(
         job_name=args.job_name or f"tpe-eval-{preset_name}",
         log=shlex.quote(sub.log),

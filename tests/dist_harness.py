@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from tpe_train.ckpt.holdings import full_weights
 from tpe_train.config import Config, load_config
 from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
 from tpe_train.model.kernels import set_cpu_gemm
@@ -35,7 +36,6 @@ from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layou
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report, optimizer_state_bytes
 from tpe_train.parallel.plan import shard_positions
-from tpe_train.parallel.portable import full_weights
 from tpe_train.step import batch_loss, train_step
 
 VOCAB = 64

@@ -10,12 +10,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
-from tpe_train.ckpt_store import entries, sha256
+from tpe_train.ckpt.shards import iter_tensors, read_index
+from tpe_train.ckpt.store import entries, sha256
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
@@ -49,7 +52,13 @@ def samples(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "samples" / "rank-00000.jsonl").read_text().splitlines()]
 
 
-def weights(path: Path) -> dict:
+def weights(path: Path, moments: bool = False) -> dict:
+    """A checkpoint's weights (or Adam moments), consolidated from its shards."""
+    index = read_index(path)
+    return dict(iter_tensors(path, index, [n for n in index["tensors"] if ("/" in n) == moments]))
+
+
+def exported(path: Path) -> dict:
     return load_file(str(path / "model.safetensors"))
 
 
@@ -61,7 +70,15 @@ def test_saving_keeps_the_last_k_and_every_mth_with_a_manifest(tmp_path: Path) -
     assert (root / "latest").read_text().strip() == "step-00000010"
     assert not [p for p in root.iterdir() if p.name.startswith(".tmp")]
     manifest = json.loads((root / "step-00000010" / "manifest.json").read_text())
-    expected = {"model.safetensors", "optimizer.safetensors", "trainer.json", "rank-00000.json"}
+    expected = {
+        "model-00000.safetensors",
+        "optimizer-00000.safetensors",
+        "index.json",
+        "trainer.json",
+        "rank-00000.json",
+        "config.yaml",
+        "tokenizer.json",
+    }
     assert expected <= set(manifest["files"])
     for name, info in manifest["files"].items():
         assert sha256(root / "step-00000010" / name) == info["sha256"], name
@@ -70,9 +87,16 @@ def test_saving_keeps_the_last_k_and_every_mth_with_a_manifest(tmp_path: Path) -
     assert trainer["layout"] == {"world_size": 1, "tp_size": 1, "dp_size": 1, "zero_stage": None}
 
 
-def test_n_steps_resume_n_steps_equals_2n_steps_bitwise(tmp_path: Path) -> None:
-    whole, halves = tmp_path / "whole", tmp_path / "halves"
-    train(whole, "train.max_steps=12", "train.save_every=0")
+@pytest.fixture(scope="module")
+def whole(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """12 steps without a break, saved at the end only: the reference of the exact-resume tests."""
+    run = tmp_path_factory.mktemp("whole") / "run"
+    train(run, "train.max_steps=12", "train.save_every=0")
+    return run
+
+
+def test_n_steps_resume_n_steps_equals_2n_steps_bitwise(whole: Path, tmp_path: Path) -> None:
+    halves = tmp_path / "halves"
     train(halves, "train.max_steps=6", "train.save_every=0")
     proc = train(halves, "train.max_steps=12", "train.save_every=0")
     assert "resumed from" in proc.stdout and "at step 6" in proc.stdout
@@ -80,9 +104,9 @@ def test_n_steps_resume_n_steps_equals_2n_steps_bitwise(tmp_path: Path) -> None:
     assert all((a[k] == b[k]).all() for k in a)  # bitwise
     a6 = weights(halves / "checkpoints/step-00000006")
     assert any((a[k] != a6[k]).any() for k in a)  # and the second half did train
-    opt_a = load_file(str(whole / "checkpoints/step-00000012/optimizer.safetensors"))
-    opt_b = load_file(str(halves / "checkpoints/step-00000012/optimizer.safetensors"))
-    assert all((opt_a[k] == opt_b[k]).all() for k in opt_a)
+    opt_a = weights(whole / "checkpoints/step-00000012", moments=True)
+    opt_b = weights(halves / "checkpoints/step-00000012", moments=True)
+    assert len(opt_a) == 2 * len(a) and all((opt_a[k] == opt_b[k]).all() for k in opt_a)
     assert samples(whole) == samples(halves)  # the same batches, in the same order
 
 
@@ -109,13 +133,71 @@ def test_preemption_saves_and_exits_for_requeue_and_the_rerun_finishes(tmp_path:
     assert [s["step"] for s in samples(run)] == list(range(1, stopped + 3))  # none lost, none repeated
 
 
+def start(run: Path, *overrides: str, **env: str) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "tpe_train.train", *SMALL, f"train.run_dir={run}", *overrides]
+    return subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env={**os.environ, **env}
+    )
+
+
+def wait_for(proc: subprocess.Popen, condition: Callable[[], bool]) -> None:
+    deadline = time.time() + 300
+    while not condition():
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()[1][-2000:]
+        time.sleep(0.02)
+
+
+def lines(run: Path) -> int:
+    log = run / "samples" / "rank-00000.jsonl"
+    return len(log.read_text().splitlines()) if log.exists() else 0
+
+
+def test_sigterm_alone_waits_for_the_background_save_then_saves_and_exits_75(tmp_path: Path) -> None:
+    """With train.async_save, the save of step 2 is still being written (held 3 s) when SIGTERM comes:
+    the trainer finishes its step, waits for that write, saves its own step and exits 75."""
+    run = tmp_path / "run"
+    proc = start(run, "train.max_steps=400", "train.save_every=2", "train.async_save=true",
+                 TPE_FAULT_SAVE_DELAY="3@2")  # fmt: skip
+    wait_for(proc, lambda: (run / "checkpoints" / ".tmp-step-00000002").exists())
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 75, err[-2000:]
+    stopped = json.loads((run / "preempted.json").read_text())["step"]
+    assert stopped >= 3 and steps_of(run) == [2, stopped]
+    assert [s["step"] for s in samples(run)] == list(range(1, stopped + 1))
+
+
+def test_async_save_trains_on_meanwhile_and_a_crash_mid_write_keeps_the_previous_checkpoint(
+    whole: Path, tmp_path: Path
+) -> None:
+    """Training goes on while the step-8 checkpoint is written in the background; SIGKILL before it is
+    complete leaves step 4 as the resume point, and the resumed run ends bitwise where the uninterrupted
+    run ends, having trained on the same batches."""
+    run = tmp_path / "run"
+    proc = start(run, "train.max_steps=12", "train.save_every=4", "train.async_save=true",
+                 TPE_FAULT_SAVE_DELAY="300@8")  # fmt: skip
+    wait_for(proc, lambda: (run / "checkpoints" / ".tmp-step-00000008").exists() and lines(run) >= 9)
+    proc.kill()
+    proc.communicate()
+    assert steps_of(run) == [4]
+    out = train(run, "train.max_steps=12", "train.save_every=4", "train.async_save=true").stdout
+    assert "step-00000004 at step 4" in out
+    assert steps_of(run) == [4, 8, 12]
+    a, b = weights(whole / "checkpoints/step-00000012"), weights(run / "checkpoints/step-00000012")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    last = {r["step"]: r["ids"] for r in samples(run)}  # the steps after 4 were trained twice: the last wins
+    assert last == {r["step"]: r["ids"] for r in samples(whole)}
+
+
 def test_incomplete_checkpoints_are_reported_skipped_and_cleaned(tmp_path: Path) -> None:
     run = tmp_path / "run"
     train(run, "train.max_steps=4", "train.save_every=2")
     root = run / "checkpoints"
     broken = root / "step-00000006"
     broken.mkdir()
-    (broken / "model.safetensors").write_bytes((root / "step-00000004" / "model.safetensors").read_bytes())
+    (broken / "model-00000.safetensors").write_bytes(
+        (root / "step-00000004" / "model-00000.safetensors").read_bytes()
+    )
     (root / ".tmp-step-00000008").mkdir()
     (root / "latest").write_text("step-00000006\n")  # as if a crash happened between rename and manifest
     proc = train(run, "train.max_steps=5")
@@ -135,18 +217,18 @@ def test_a_tampered_checkpoint_auto_falls_back_latest_stops(tmp_path: Path) -> N
     run = tmp_path / "run"
     train(run, "train.max_steps=4", "train.save_every=2")
     root = run / "checkpoints"
-    flip_last_byte(root / "step-00000004" / "optimizer.safetensors")  # same size: only the hash can tell
+    flip_last_byte(root / "step-00000004" / "optimizer-00000.safetensors")  # same size: the hash tells
     strict = train(run, "train.max_steps=6", "train.resume=latest", check=False)
     assert strict.returncode == 2 and "Traceback" not in strict.stderr
-    assert "step-00000004/optimizer.safetensors does not match the hash" in strict.stderr
-    flip_last_byte(root / "step-00000002" / "model.safetensors")
+    assert "step-00000004/optimizer-00000.safetensors does not match the hash" in strict.stderr
+    flip_last_byte(root / "step-00000002" / "model-00000.safetensors")
     none = train(run, "train.max_steps=6", check=False)  # auto, and no checkpoint verifies
     assert none.returncode == 2 and "no checkpoint in" in none.stderr and "Traceback" not in none.stderr
     assert steps_of(run) == [2, 4] and not list(root.glob("*.corrupt*"))  # refused: nothing renamed
-    flip_last_byte(root / "step-00000002" / "model.safetensors")  # step 2 is sound again
+    flip_last_byte(root / "step-00000002" / "model-00000.safetensors")  # step 2 is sound again
     auto = train(run, "train.max_steps=6", "train.save_every=2")
     assert "warning: skipping checkpoint step-00000004: " in auto.stderr
-    assert "optimizer.safetensors does not match the hash" in auto.stderr
+    assert "optimizer-00000.safetensors does not match the hash" in auto.stderr
     assert f"Moved aside to {root / 'step-00000004.corrupt'}" in auto.stderr
     assert "resumed from" in auto.stdout and "step-00000002 at step 2" in auto.stdout
     assert steps_of(run) == [2, 4, 6] and (root / "step-00000004.corrupt" / "manifest.json").is_file()
@@ -198,7 +280,7 @@ def test_a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path: P
 
 
 def tpe_ckpt(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "tpe_train.ckpt_cli", *args], capture_output=True, text=True)
+    return subprocess.run([sys.executable, "-m", "tpe_train.ckpt.cli", *args], capture_output=True, text=True)
 
 
 def test_the_final_model_is_the_mean_of_the_last_checkpoints_when_asked(tmp_path: Path) -> None:
@@ -206,7 +288,7 @@ def test_the_final_model_is_the_mean_of_the_last_checkpoints_when_asked(tmp_path
     proc = train(run, "train.max_steps=6", "train.save_every=2", "train.keep_last=3", "eval.average_last=3",
                  "eval.at_end=true")  # fmt: skip
     assert "final model = mean of step-00000002, step-00000004, step-00000006" in proc.stdout
-    got = weights(run / "averaged-last3")
+    got = exported(run / "averaged-last3")
     parts = [weights(run / f"checkpoints/step-0000000{s}") for s in (2, 4, 6)]
     for k in got:
         mean = sum(p[k].double() for p in parts) / 3
@@ -223,7 +305,7 @@ def test_the_final_model_is_the_mean_of_the_last_checkpoints_when_asked(tmp_path
     )
     assert scored.returncode == 0 and json.loads(scored.stdout)["bleu"] == figures["bleu"]
     # the last step's own weights are still exported, as without averaging
-    last = weights(run / "checkpoint")
+    last = exported(run / "checkpoint")
     assert all(torch.equal(last[k], parts[-1][k]) for k in last)
 
 
@@ -237,7 +319,7 @@ def test_tpe_ckpt_list_average_and_export(tmp_path: Path) -> None:
     assert "INCOMPLETE" in listing.stdout
     avg = tpe_ckpt("average", str(run), "--last", "2", "--out", str(tmp_path / "avg"))
     assert avg.returncode == 0, avg.stderr
-    got = weights(tmp_path / "avg")
+    got = exported(tmp_path / "avg")
     a, b = weights(run / "checkpoints/step-00000004"), weights(run / "checkpoints/step-00000006")
     for k in a:
         assert ((got[k] - (a[k].double() + b[k].double()) / 2).abs().max()) < 1e-7

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,3 +74,27 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert demo_cmd.startswith("python -m pip install torch==2.13.0")
     ci = (ROOT / ".ci" / "run").read_text()
     assert test_cmd in ci
+
+
+def test_run_directory_names_are_spelled_only_in_rundir() -> None:
+    """One owner of the run directory's layout (tpe_train/ckpt/rundir.py): no other module builds a
+    path from one of its names."""
+    names = (
+        r'checkpoints|checkpoint|tb|eval\.json|averaged-last[^"]*|config\.yaml|tokenizer\.json|'
+        r'preempted\.json|memory\.json|deepspeed\.json|samples|slurm-[^"]*'
+    )
+    path_of_name = re.compile(rf'/\s*f?"({names})"')
+    other_layouts = {  # directories that are not run directories, with names of their own
+        PKG / "data" / "store.py": {"tokenizer.json"},  # the token store
+        PKG / "study" / "report.py": {"tb"},  # a study's report directory
+        ROOT / "launcher" / "submit.py": {"slurm-%A_%a.out"},  # a sweep's root, above its run directories
+    }
+    for path in [*PKG.rglob("*.py"), *(ROOT / "launcher").rglob("*.py")]:
+        if path == PKG / "ckpt" / "rundir.py":
+            continue
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            for name in path_of_name.findall(line):
+                where = f"{path.relative_to(ROOT)}:{number}"
+                assert name in other_layouts.get(path, set()), (
+                    f"{where} builds a path from {name!r}; use RunDir"
+                )

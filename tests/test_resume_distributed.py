@@ -1,6 +1,7 @@
-"""Checkpoints of real 2-process DeepSpeed runs: a rank killed mid-training and mid-save, resuming on
-another number of data-parallel ranks, another tensor-parallel size or another ZeRO stage, and
-tpe-ckpt reshard. Equality is checked on parameters and on the ids of the training pairs each step saw."""
+"""Checkpoints of real 2-process DeepSpeed runs: a rank killed mid-training and mid-save, exact resume on
+the same layout (with the save in the background), resuming on another number of data-parallel ranks,
+another tensor-parallel size or another ZeRO stage, and resuming from what tpe-ckpt reshard wrote.
+Equality is checked on parameters (and moments) and on the ids of the training pairs each step saw."""
 
 from __future__ import annotations
 
@@ -15,9 +16,10 @@ import uuid
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
+import torch
 
-from tpe_train.ckpt_store import entries
+from tpe_train.ckpt.shards import iter_tensors, read_index
+from tpe_train.ckpt.store import entries
 
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
@@ -62,8 +64,11 @@ def train(tmp_path: Path, launch: str | None, run_dir: Path, *overrides: str) ->
     return proc.stdout
 
 
-def weights(run_dir: Path, step: int) -> dict:
-    return load_file(str(run_dir / "checkpoints" / f"step-{step:08d}" / "model.safetensors"))
+def weights(run_dir: Path, step: int, moments: bool = False) -> dict:
+    """A checkpoint's weights (or Adam moments), consolidated from its shards."""
+    path = run_dir / "checkpoints" / f"step-{step:08d}"
+    index = read_index(path)
+    return dict(iter_tensors(path, index, [n for n in index["tensors"] if ("/" in n) == moments]))
 
 
 def global_batches(run_dir: Path) -> dict[int, list[int]]:
@@ -140,6 +145,32 @@ def dp2_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return run
 
 
+def test_resume_on_the_same_two_zero2_ranks_is_exact_with_the_save_in_the_background(
+    dp2_reference: Path, tmp_path: Path
+) -> None:
+    """4 steps + resume + 4 steps equals the reference's 8 steps bitwise, weights and moments; this run
+    saves with train.async_save (its writer agrees over its own gloo group while training goes on)."""
+    run = tmp_path / "run"
+    start = dp2_reference / "checkpoints" / "step-00000004"
+    out = train(tmp_path, "cpu_zero2.yaml", run, f"train.resume={start}", "train.max_steps=8",
+                "train.save_every=2", "train.async_save=true")  # fmt: skip
+    assert "at step 4" in out
+    assert [e.step for e in entries(run / "checkpoints") if e.complete] == [6, 8]
+    for moments in (False, True):
+        ref, got = weights(dp2_reference, 8, moments), weights(run, 8, moments)
+        assert ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
+    assert global_batches(run) == {s: ids for s, ids in global_batches(dp2_reference).items() if s > 4}
+
+
+def follows_reference(reference: Path, run: Path) -> None:
+    """``run`` (resumed at step 4) ends where the 2-rank reference does (``TOLERANCE``), having trained
+    on the same pairs in every step: nothing lost, nothing repeated."""
+    ref, got, before = weights(reference, 8), weights(run, 8), weights(reference, 4)
+    assert max(float((ref[k] - before[k]).abs().max()) for k in ref) > 1e-3  # the parameters moved
+    assert max(float((ref[k] - got[k]).abs().max()) for k in ref) < TOLERANCE
+    assert global_batches(run) == {s: ids for s, ids in global_batches(reference).items() if s > 4}
+
+
 @pytest.mark.parametrize(
     ("launch", "accumulate", "layout"),
     [
@@ -153,19 +184,15 @@ def test_resume_on_another_layout(
     dp2_reference: Path, tmp_path: Path, launch: str | None, accumulate: int, layout: dict
 ) -> None:
     """Same global batch per step (accumulate 2 where one rank does the work of two): the resumed run
-    follows the 2-rank reference (``TOLERANCE``) and the data position carries over."""
+    follows the 2-rank reference and the data position carries over. ZeRO-3 saves in the background."""
     run = tmp_path / "run"
     start = dp2_reference / "checkpoints" / "step-00000004"
     overrides = [f"train.resume={start}", "train.max_steps=8", f"train.accumulate={accumulate}"]
-    out = train(tmp_path, launch, run, *overrides)
+    out = train(tmp_path, launch, run, *overrides, f"train.async_save={launch == 'cpu_zero3.yaml'}")
     assert "at step 4" in out
     saved = json.loads((run / "checkpoints" / "step-00000008" / "manifest.json").read_text())["layout"]
     assert saved == layout
-    ref, got, before = weights(dp2_reference, 8), weights(run, 8), weights(dp2_reference, 4)
-    assert max(float((ref[k] - before[k]).abs().max()) for k in ref) > 1e-3  # the parameters moved
-    assert max(float((ref[k] - got[k]).abs().max()) for k in ref) < TOLERANCE
-    expected = {s: ids for s, ids in global_batches(dp2_reference).items() if s > 4}
-    assert global_batches(run) == expected  # nothing lost, nothing repeated
+    follows_reference(dp2_reference, run)
 
 
 def test_resume_under_deepspeed_without_zero(dp2_reference: Path, tmp_path: Path) -> None:
@@ -181,8 +208,7 @@ def test_resume_under_deepspeed_without_zero(dp2_reference: Path, tmp_path: Path
     assert saved == {"world_size": 2, "tp_size": 1, "dp_size": 2, "zero_stage": 0}
     ref, got = weights(dp2_reference, 8), weights(run, 8)
     assert max(float((ref[k] - got[k]).abs().max()) for k in ref) < TOLERANCE
-    moments = load_file(str(run / "checkpoints" / "step-00000008" / "optimizer.safetensors"))
-    reference = load_file(str(dp2_reference / "checkpoints" / "step-00000008" / "optimizer.safetensors"))
+    moments, reference = weights(run, 8, moments=True), weights(dp2_reference, 8, moments=True)
     assert max(float((reference[k] - moments[k]).abs().max()) for k in reference) < TOLERANCE
 
 
@@ -196,19 +222,25 @@ def test_resume_from_one_process_on_two_ranks(tmp_path: Path) -> None:
     assert global_batches(two) == {s: ids for s, ids in global_batches(one).items() if s > 4}
 
 
-def test_tpe_ckpt_reshard(dp2_reference: Path, tmp_path: Path) -> None:
+def test_a_checkpoint_resharded_for_tp2_resumes_on_one_process(dp2_reference: Path, tmp_path: Path) -> None:
+    """tpe-ckpt reshard re-saves the ZeRO-2 checkpoint under the TP=2 layout (DeepSpeed's own shards
+    too, when asked); a one-process run resumed from that (TP 2 -> 1) follows the reference."""
     out = tmp_path / "resharded"
     src = dp2_reference / "checkpoints" / "step-00000004"
     proc = subprocess.run(
-        [sys.executable, "-m", "tpe_train.ckpt_cli", "reshard", str(src), "--config_file",
-         str(ROOT / "configs/accelerate/cpu_tp2.yaml"), "--out", str(out)],
+        [sys.executable, "-m", "tpe_train.ckpt.cli", "reshard", str(src), "--config_file",
+         str(ROOT / "configs/accelerate/cpu_tp2.yaml"), "--out", str(out), "--deepspeed-shards"],
         cwd=ROOT, env=env(tmp_path), capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     ckpt = out / "checkpoints" / "step-00000004"
     manifest = json.loads((ckpt / "manifest.json").read_text())
     assert manifest["layout"]["tp_size"] == 2
+    assert {"model-00000.safetensors", "model-00001.safetensors"} <= set(manifest["files"])
     assert any(name.startswith("deepspeed/") for name in manifest["files"])  # shards of the new layout
-    a, b = load_file(str(src / "model.safetensors")), load_file(str(ckpt / "model.safetensors"))
-    assert all((a[k] == b[k]).all() for k in a)
+    a, b = weights(dp2_reference, 4), weights(out, 4)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    run = tmp_path / "run"
+    train(tmp_path, None, run, f"train.resume={ckpt}", "train.max_steps=8", "train.accumulate=2")
+    follows_reference(dp2_reference, run)
     shutil.rmtree(out)

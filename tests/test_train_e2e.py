@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tpe_train.checkpoint import load_export
+from tpe_train.ckpt.export import load_export
 
 TINY = [
     "data.synthetic.train_size=400",

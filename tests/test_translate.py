@@ -15,7 +15,7 @@ import pytest
 from sacrebleu.metrics import BLEU
 from sacrebleu.significance import PairedTest
 
-from tpe_train.checkpoint import build_model, load_export, save_export
+from tpe_train.ckpt.export import build_model, load_export, save_export
 from tpe_train.decoding import read_lines, token_batches
 from tpe_train.evaluate import EvalFiles, config_sets
 from tpe_train.evaluate import main as eval_main

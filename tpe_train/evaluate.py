@@ -30,6 +30,7 @@ import torch
 from tokenizers import Tokenizer
 
 from tpe_train import metrics
+from tpe_train.ckpt.rundir import EVAL
 from tpe_train.config import ConfigError, DataConfig, EvalConfig
 from tpe_train.data.corpus import Splits, pairs_of, synthetic_splits, test_splits
 from tpe_train.data.sources import CorpusError, load_split
@@ -199,7 +200,7 @@ class EvalFiles:
     sentence a line in test-set order (``hypotheses/<set>.hyp``, ``hypotheses/<set>.ref``). The only
     place these names are spelled."""
 
-    FIGURES = "eval.json"
+    FIGURES = EVAL
     HYPOTHESES = "hypotheses"
 
     def __init__(self, directory: str | Path) -> None:
@@ -365,7 +366,7 @@ def _sets(args: argparse.Namespace, cfg: DataConfig) -> list[TestSet]:
 
 def main(argv: list[str] | None = None) -> int:
     """``tpe-eval``: score an export on test sets; with ``--compare``, test it against another."""
-    from tpe_train.checkpoint import load_export
+    from tpe_train.ckpt.export import load_export
 
     args = parse_args(argv)
     try:

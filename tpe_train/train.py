@@ -21,9 +21,11 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from tpe_train import run_lock, snapshot
-from tpe_train.checkpoint import average_last, build_model, parameter_count, save_export
-from tpe_train.ckpt_store import CheckpointError, check_compatible, latest_complete, resume_choice
+from tpe_train import run_lock
+from tpe_train.ckpt.export import average_last, build_model, export_mean, load_export, parameter_count
+from tpe_train.ckpt.rundir import RunDir
+from tpe_train.ckpt.state import Checkpointer, Progress
+from tpe_train.ckpt.store import CheckpointError, check_compatible, latest_complete, resume_choice
 from tpe_train.config import Config, ConfigError, load_config
 from tpe_train.data.corpus import Prepared, TrainBatches, prepare
 from tpe_train.data.sources import CorpusError
@@ -34,7 +36,6 @@ from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layou
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report
 from tpe_train.parallel.plan import shard_positions
-from tpe_train.parallel.portable import full_weights
 from tpe_train.perf import Throughput, configure_cpu
 from tpe_train.step import inverse_sqrt, seed_everything, train_step, validate
 
@@ -60,7 +61,7 @@ def prepare_data(cfg: Config, ctx: ParallelContext) -> Prepared:
     """The token store, built by rank 0 while the others wait, then read by all (memory-mapped)."""
     if ctx.distributed and not ctx.is_main:
         dist.barrier()
-    data = prepare(cfg.data, run_tokenizer=cfg.run_dir() / "tokenizer.json" if ctx.is_main else None)
+    data = prepare(cfg.data, run_tokenizer=RunDir(cfg.run_dir()).tokenizer if ctx.is_main else None)
     if ctx.distributed and ctx.is_main:
         dist.barrier()
     return data
@@ -126,7 +127,7 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
     if cfg.train.threads:
         torch.set_num_threads(cfg.train.threads)
     configure_cpu(cfg.train.cpu_gemm, ctx.device)  # training GEMM kernels, allocator
-    run_dir, ckpt_root = cfg.run_dir(), cfg.run_dir() / "checkpoints"
+    run_dir = RunDir(cfg.run_dir())
     start = resume_point(cfg, ctx)
     if start is not None:
         check_compatible(start, cfg)  # another model stops here, before any work
@@ -134,17 +135,18 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
     data = prepare_data(cfg, ctx)
     engine = build_engine(cfg, data, ctx, layout)
     batches = TrainBatches(data, cfg.data, cfg.train.seed, ctx.dp_rank, ctx.dp_size)
-    progress = snapshot.Progress()
+    progress = Progress()
+    checkpointer = Checkpointer(run_dir.checkpoints, cfg, engine, data.tokenizer, batches, layout.zero_stage)
     if start is not None:
-        progress = snapshot.restore(start, engine, cfg, data.tokenizer, batches)
+        progress = checkpointer.restore(start)
     cast = cfg.train.bf16 and not engine.uses_deepspeed  # DeepSpeed holds bf16 weights itself
     reports = ctx.gather(memory_report(engine.module, engine.optimizer, ctx.rank, layout))
     samples = _sample_log(cfg, ctx)
-    writer = SummaryWriter(str(run_dir / "tb")) if ctx.is_main else None
+    writer = SummaryWriter(str(run_dir.tensorboard)) if ctx.is_main else None
     if ctx.is_main:
-        (run_dir / "config.yaml").write_text(cfg.to_yaml())  # resolved config, before step 1
+        run_dir.config.write_text(cfg.to_yaml())  # resolved config, before step 1
         if engine.uses_deepspeed:
-            (run_dir / "deepspeed.json").write_text(json.dumps(deepspeed_config(cfg, layout), indent=2))
+            run_dir.deepspeed_config.write_text(json.dumps(deepspeed_config(cfg, layout), indent=2))
         for line in data.splits.report:
             print(f"tpe-train: cleaning {line}")
         print(
@@ -153,17 +155,14 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
             f"{'streamed' if cfg.data.streaming else len(data.train)} training pairs "
             f"({data.dropped_too_long} longer than data.max_len dropped) | vocab "
             f"{data.tokenizer.get_vocab_size()} | token store {data.store} "
-            f"({'built' if data.built else 'reused'}) | run dir {run_dir}"
+            f"({'built' if data.built else 'reused'}) | run dir {run_dir.path}"
         )
         print(f"tpe-train: {ctx.describe()} | ZeRO {layout.zero_stage} | {layout.source}")
         if start is not None:
             print(f"tpe-train: resumed from {start} at step {progress.step}")
         for r in reports:
             print(f"tpe-train: memory {r.line()}")
-        (run_dir / "memory.json").write_text(json.dumps([r.as_dict() for r in reports], indent=2))
-
-    def save() -> Path:
-        return snapshot.save(ckpt_root, progress, engine, cfg, data.tokenizer, batches, layout.zero_stage)
+        run_dir.memory.write_text(json.dumps([r.as_dict() for r in reports], indent=2))
 
     show = cfg.train.progress and ctx.is_main
     bar = tqdm(total=cfg.train.max_steps, initial=progress.step, disable=not show, dynamic_ncols=True)
@@ -194,26 +193,26 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
             or step == cfg.train.max_steps
             or (cfg.train.save_every and step % cfg.train.save_every == 0)
         ):
-            path = save()
+            path = checkpointer.save(progress, wait=preempted)  # in the background with train.async_save
             if ctx.is_main:
                 tqdm.write(f"tpe-train: checkpoint {path}")
         if preempted:
             if ctx.is_main:
-                (run_dir / "preempted.json").write_text(json.dumps({"step": step, "checkpoint": str(path)}))
+                run_dir.preempted.write_text(json.dumps({"step": step, "checkpoint": str(path)}))
                 print(f"tpe-train: preempted at step {step}; checkpoint {path}; exiting {EXIT_PREEMPTED}")
             raise Preempted
         bar.update(1)
     bar.close()
-    latest = latest_complete(ckpt_root)[0]
+    checkpointer.wait()
+    latest = latest_complete(run_dir.checkpoints)[0]
     if latest is None or latest.step != progress.step:  # e.g. resumed from elsewhere with no step left
-        save()
-
-    weights = full_weights(engine)  # every rank takes part; rank 0 writes and evaluates
+        last = checkpointer.save(progress, wait=True)
+    else:
+        last = latest.path
     metrics: dict[str, Any] = {}
-    if ctx.is_main:
-        final = build_model(cfg, data.tokenizer)
-        final.load_state_dict(weights)
-        checkpoint = save_export(run_dir / "checkpoint", final, cfg, data.tokenizer, progress.step)
+    if ctx.is_main:  # the export is consolidated from the last checkpoint's shards, one tensor at a time
+        checkpoint = export_mean([last], run_dir.export)
+        final = load_export(checkpoint)[0]
         metrics["checkpoint"] = str(checkpoint)
         if cfg.eval.average_last > 1:
             final, metrics["averaged"] = average_last(cfg, run_dir)
@@ -225,7 +224,7 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
             for name in ("bleu", "chrf", "exact_match", "probe_accuracy"):
                 if metrics[name] is not None:
                     _log(writer, {f"test/{name}": metrics[name]}, progress.step)
-            EvalFiles(run_dir).write(result, metrics)  # eval.json and the hypotheses scored
+            EvalFiles(run_dir.path).write(result, metrics)  # eval.json and the hypotheses scored
             print(format_table(metrics))
         assert writer is not None
         writer.close()
@@ -237,7 +236,7 @@ def _sample_log(cfg: Config, ctx: ParallelContext) -> Any:
     """Per data-parallel rank, the ids of every batch trained on (appended; a resumed run continues)."""
     if not cfg.train.log_samples or ctx.tp_rank != 0:
         return None
-    path = cfg.run_dir() / "samples" / f"rank-{ctx.dp_rank:05d}.jsonl"
+    path = RunDir(cfg.run_dir()).samples(ctx.dp_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     return open(path, "a")  # kept open for the whole run
 

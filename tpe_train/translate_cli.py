@@ -219,7 +219,7 @@ def _output(path: str) -> Iterator[IO[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``tpe-translate``."""
-    from tpe_train.checkpoint import load_export
+    from tpe_train.ckpt.export import load_export
 
     args = parse_args(argv)
     try:

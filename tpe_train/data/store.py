@@ -63,8 +63,9 @@ def write_store(path: Path, tok: Tokenizer, train: Dataset, valid: Dataset, meta
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     tok.save(str(tmp / "tokenizer.json"))
-    train.save_to_disk(str(tmp / "train"))
-    valid.save_to_disk(str(tmp / "valid"))
+    for name, ds in (("train", train), ("valid", valid)):
+        # An empty set (a streamed corpus's train) needs one shard written, or it cannot be loaded back.
+        ds.save_to_disk(str(tmp / name), num_shards=1 if len(ds) == 0 else None)
     (tmp / "meta.json").write_text(json.dumps({**meta, "vocab_hash": vocab_hash(tok)}, indent=2))
     try:
         tmp.rename(path)

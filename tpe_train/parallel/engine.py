@@ -2,9 +2,9 @@
 offload, AutoTP), all prepared by accelerate.
 
 The loop sees three verbs: ``forward``, ``backward`` (per micro-batch) and ``step`` (returns the
-gradient norm); ``parallel.portable`` reads and writes the state in single-device form. Under DeepSpeed
-the engine clips and steps inside the last ``backward`` of an optimizer step, as accelerate drives
-it; under plain torch, ``step`` clips and steps.
+gradient norm); ``ckpt.holdings`` says which regions of the single-device state each rank holds.
+Under DeepSpeed the engine clips and steps inside the last ``backward`` of an optimizer step, as
+accelerate drives it; under plain torch, ``step`` clips and steps.
 """
 
 from __future__ import annotations

@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tpe_train.ckpt.rundir import RunDir
 from tpe_train.config import Config, ConfigError, load_config
 from tpe_train.evaluate import EvalFiles
 from tpe_train.positions import POSITIONS
@@ -165,7 +166,7 @@ class Study:
 
     def averaged_dir(self, setting: Setting, seed: int) -> Path:
         """Where the average of the last ``average`` checkpoints goes (as ``tpe-launch --script eval``)."""
-        return self.run_dir(setting, seed) / f"averaged-last{self.average}"
+        return RunDir(self.run_dir(setting, seed)).averaged(self.average)
 
     def eval_files(self, setting: Setting, seed: int) -> EvalFiles:
         """The evaluation the report uses (figures and test hypotheses): the averaged model's when the

@@ -17,12 +17,12 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from safetensors.torch import load_file
 
+from tpe_train.ckpt.export import WEIGHTS
+from tpe_train.ckpt.rundir import CONFIG, RunDir
 from tpe_train.config import validate
 from tpe_train.positions.absolute import sinusoid_table
 from tpe_train.study.grid import Setting, Study
 from tpe_train.study.results import FIGURES, Row, Run, bucket_low, bucket_names, training_cap
-
-EXPORT = "checkpoint"  # <run_dir>/checkpoint: the final export written by tpe-train
 
 
 def _bars(ax: Axes, rows: list[Row], runs: list[Run], key: str, scale: float) -> None:
@@ -116,21 +116,19 @@ def position_tables(
         if kind not in study.settings:
             continue
         found = [
-            r
-            for r in runs
-            if r.setting == Setting(kind) and (r.run_dir / EXPORT / "model.safetensors").is_file()
+            r for r in runs if r.setting == Setting(kind) and (RunDir(r.run_dir).export / WEIGHTS).is_file()
         ]
         if not found:
             notes.append(f"no exported `{kind}` checkpoint yet: its position-similarity heat map is missing")
             continue
         run = found[0]
-        export = run.run_dir / EXPORT
-        cfg = validate(yaml.safe_load((export / "config.yaml").read_text()))
+        export = RunDir(run.run_dir).export  # the final export written by tpe-train
+        cfg = validate(yaml.safe_load((export / CONFIG).read_text()))
         if kind == "sinusoidal":  # computed, never stored: rebuilt from the export's d_model
             table = sinusoid_table(torch.arange(positions), cfg.model.d_model)
             panels.append((f"sinusoidal (d={cfg.model.d_model})", _cosine(table)))
             continue
-        weights = load_file(str(export / "model.safetensors"))
+        weights = load_file(str(export / WEIGHTS))
         for side in ("encoder", "decoder"):
             key = f"{side}.positions.0.table.weight"
             if key in weights:

@@ -12,6 +12,7 @@ from typing import Any
 
 import yaml
 
+from tpe_train.ckpt.rundir import RunDir
 from tpe_train.config import Config, validate
 from tpe_train.evaluate import EvalFiles
 from tpe_train.metrics import PairedResult, paired_bootstrap
@@ -127,7 +128,7 @@ def bucket_low(name: str) -> int:
 
 
 def run_config(run: Run) -> Config | None:
-    path = run.run_dir / "config.yaml"
+    path = RunDir(run.run_dir).config
     return validate(yaml.safe_load(path.read_text())) if path.is_file() else None
 
 

@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 import yaml
 
+from tpe_train.ckpt.rundir import RunDir
 from tpe_train.evaluate import EvalFiles
 from tpe_train.exits import EXIT_PREEMPTED
 from tpe_train.study.grid import Setting, Study, StudyError
@@ -237,13 +238,13 @@ def average_and_evaluate(study: Study, setting: Setting, seed: int, say: Print =
     test hypotheses scored (what ``tpe-eval --out`` keeps). Returns the figures' path."""
     import torch
 
-    from tpe_train.checkpoint import export_mean, load_export
-    from tpe_train.ckpt_store import entries
+    from tpe_train.ckpt.export import export_mean, load_export
+    from tpe_train.ckpt.store import entries
     from tpe_train.decoding import device_from_arg
     from tpe_train.evaluate import config_sets, evaluate
 
     run_dir = study.run_dir(setting, seed)
-    chosen = [e.path for e in entries(run_dir / "checkpoints") if e.complete][-study.average :]
+    chosen = [e.path for e in entries(RunDir(run_dir).checkpoints) if e.complete][-study.average :]
     if not chosen:
         raise StudyError(f"{run_dir} has no complete checkpoint to average (train.save_every)")
     if len(chosen) < study.average:

@@ -5,11 +5,12 @@
     tpe-ckpt export CHECKPOINT|RUN_DIR --out DIR     # one checkpoint (RUN_DIR: its latest)
     tpe-ckpt reshard CHECKPOINT --config_file configs/accelerate/X.yaml --out RUN_DIR
 
-``average`` and ``export`` read the checkpoints' weights straight from their directories (verified
-against each manifest) and write an export that ``tpe-eval --checkpoint DIR`` reads: safetensors
-weights, the config and the tokenizer. ``reshard`` starts the trainer under another launch file: it
-loads the checkpoint into the new layout and saves it there (DeepSpeed shards of that layout included);
-a run resumed on another layout does the same by itself.
+``average`` and ``export`` consolidate the checkpoints' weights from their shards, one tensor at a time
+(every file verified against its manifest), into an export that ``tpe-eval --checkpoint DIR`` reads:
+safetensors weights, the config and the tokenizer. ``reshard`` starts the trainer under another launch
+file: it loads the checkpoint into the new layout and saves it there, so that each rank of that layout
+then reads exactly its own files (``--deepspeed-shards``: DeepSpeed's own shards of that layout too).
+A run resumed on another layout needs no reshard: it reads the regions it needs from any checkpoint.
 """
 
 from __future__ import annotations
@@ -17,45 +18,45 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
-from tpe_train.checkpoint import export_mean
-from tpe_train.ckpt_store import TRAINER, CheckpointError, Entry, entries, latest_complete
+from tpe_train.ckpt.export import export_mean
+from tpe_train.ckpt.rundir import CONFIG, RunDir
+from tpe_train.ckpt.store import LATEST, MANIFEST, TRAINER, CheckpointError, Entry, entries, latest_complete
 from tpe_train.config import ConfigError
 
 
 def _complete(run_dir: Path) -> list[Entry]:
-    found = [e for e in entries(run_dir / "checkpoints") if e.complete]
+    found = [e for e in entries(RunDir(run_dir).checkpoints) if e.complete]
     if not found:
         raise CheckpointError(
-            f"{run_dir} holds no complete checkpoint under checkpoints/; pass a run directory of tpe-train "
-            "(train.run_dir) that has saved at least once (train.save_every)"
+            f"{run_dir} holds no complete checkpoint in {RunDir(run_dir).checkpoints}; pass a run directory "
+            "of tpe-train (train.run_dir) that has saved at least once (train.save_every)"
         )
     return found
 
 
 def _checkpoint(path: Path) -> Path:
     """A checkpoint directory, or a run directory's latest complete one."""
-    if (path / "manifest.json").is_file():
+    if (path / MANIFEST).is_file():
         entry = next((e for e in [*entries(path.parent)] if e.path == path), None)
         if entry is None or not entry.complete:
             raise CheckpointError(
                 f"{path} is incomplete ({entry.reason if entry else 'unknown'}); pick another"
             )
         return path
-    latest, _ = latest_complete(path / "checkpoints")
+    latest, _ = latest_complete(RunDir(path).checkpoints)
     if latest is None:
         raise CheckpointError(f"{path} is neither a complete checkpoint nor a run directory with one")
     return latest.path
 
 
 def cmd_list(args: argparse.Namespace) -> None:
-    root = Path(args.run_dir) / "checkpoints"
+    root = RunDir(Path(args.run_dir)).checkpoints
     found = entries(root)
-    latest = (root / "latest").read_text().strip() if (root / "latest").is_file() else ""
+    latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else ""
     print(f"{'checkpoint':22s} {'step':>8s} {'state':10s} {'layout':28s} {'size':>10s}")
     for e in found:
         lay = e.layout
@@ -86,20 +87,18 @@ def cmd_reshard(args: argparse.Namespace) -> None:
     path = _checkpoint(Path(args.checkpoint))
     step = int(json.loads((path / TRAINER).read_text())["step"])
     out = Path(args.out)
-    if (out / "checkpoints").exists():
+    if RunDir(out).checkpoints.exists():
         raise CheckpointError(f"{out} already holds checkpoints; choose a new --out run directory")
-    out.mkdir(parents=True, exist_ok=True)
-    shutil.copy(path / "config.yaml", out / "source-config.yaml")
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
-        "-m", "tpe_train.train", "--preset", str(out / "source-config.yaml"),
+        "-m", "tpe_train.train", "--preset", str(path / CONFIG),
         f"train.run_dir={out}", f"train.resume={path}", f"train.max_steps={step}", "eval.at_end=false",
-        "train.progress=false",
+        "train.progress=false", f"train.deepspeed_shards={args.deepspeed_shards}",
     ]  # fmt: skip
     result = subprocess.run(cmd, env={**os.environ})
     if result.returncode != 0:
         raise SystemExit(result.returncode)
-    print(f"resharded {path} -> {out / 'checkpoints'} (layout of {args.config_file})")
+    print(f"resharded {path} -> {RunDir(out).checkpoints} (layout of {args.config_file})")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -121,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("checkpoint")
     p.add_argument("--config_file", required=True, help="accelerate launch file of the new layout")
     p.add_argument("--out", required=True, help="a new run directory")
+    p.add_argument("--deepspeed-shards", action="store_true", help="also write DeepSpeed's own shard files")
     p.set_defaults(fn=cmd_reshard)
     args = parser.parse_args(argv)
     if getattr(args, "last", 1) < 1:

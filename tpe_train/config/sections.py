@@ -1,28 +1,17 @@
-"""Typed configuration: one section per component, loaded in one place, in one order.
-
-defaults (the classes below) < preset YAML (``configs/presets/<name>.yaml``, optionally ``base:``-chained)
-< dotted command-line overrides (``model.position.kind=rope``). Loading and merging use OmegaConf,
-whose interpolations are resolved last (``${oc.env:NAME,default}`` reads an environment variable);
-typing and validation use pydantic (unknown keys, wrong types and impossible combinations are errors
-that name the key and the fix). Every field carries a one-line docstring, which is its documentation.
-"""
+"""The config sections: one typed, documented, validated class per component, composed into ``Config``."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 import yaml
-from omegaconf import OmegaConf
-from omegaconf.errors import OmegaConfBaseException
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from tpe_train.data.clean import CleanSpec
 from tpe_train.data.sources import SourceSpec
 from tpe_train.model.args import ModelArgs
 from tpe_train.positions import POSITIONS, PositionArgs
-
-PRESET_DIR = Path(__file__).resolve().parent.parent / "configs" / "presets"
 
 
 class ConfigError(ValueError):
@@ -345,6 +334,12 @@ class TrainConfig(Section):
     """auto: continue from the newest checkpoint of <run_dir>/checkpoints that verifies against its manifest
     (a newer one that fails is moved aside as step-N.corrupt, with a warning); latest: the newest complete
     one, and stop if a file fails its hash (strict); never: start from step 0; or a checkpoint path."""
+    async_save: bool = False
+    """Save in the background: the state is copied to host memory, then written while training goes on;
+    the next save, the end and a preemption signal wait for it, and it is published only when complete."""
+    deepspeed_shards: bool = False
+    """Also write DeepSpeed's own shard files (checkpoint's deepspeed/, for zero_to_fp32 and universal
+    conversion); tpe-train never reads them, and they double the bytes written."""
     log_samples: bool = False
     """Write the pair ids of every training batch to <run_dir>/samples/rank-<r>.jsonl (audits resume)."""
     compile: bool = False
@@ -441,156 +436,3 @@ class Config(Section):
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
-
-
-def preset_path(preset: str) -> Path:
-    """A preset name (``configs/presets/<name>.yaml``) or a path to a YAML file."""
-    path = Path(preset)
-    if path.suffix in (".yaml", ".yml") and path.is_file():
-        return path
-    candidate = PRESET_DIR / f"{preset}.yaml"
-    if candidate.is_file():
-        return candidate
-    names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
-    raise ConfigError(
-        f"preset {preset!r} not found: it is neither a YAML file nor one of the presets in "
-        f"{PRESET_DIR} ({', '.join(names)}); pass --preset with one of those names or a path"
-    )
-
-
-def _read_preset(preset: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
-    """The preset's mapping, merged over its ``base:`` chain."""
-    path = preset_path(preset)
-    if str(path) in seen:
-        raise ConfigError(f"preset {path} inherits from itself through 'base:'; break the cycle")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
-        raise ConfigError(f"preset {path} is not valid YAML ({err}); fix the file") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"preset {path} must be a YAML mapping of sections, got {type(data).__name__}")
-    base = data.pop("base", None)
-    if base is None:
-        return data
-    return _merge(_read_preset(str(base), (*seen, str(path))), data)
-
-
-def _merge(low: dict[str, Any], high: dict[str, Any]) -> dict[str, Any]:
-    merged = OmegaConf.merge(OmegaConf.create(low), OmegaConf.create(high))
-    out = OmegaConf.to_container(merged)
-    assert isinstance(out, dict)
-    return out  # type: ignore[return-value]
-
-
-def parse_overrides(overrides: list[str]) -> dict[str, Any]:
-    """``["a.b=1", "c=x"]`` -> nested dict, values parsed as YAML scalars/lists."""
-    for item in overrides:
-        key, sep, _ = item.partition("=")
-        if not sep or not key or key.startswith("-"):
-            raise ConfigError(
-                f"cannot read the override {item!r}: overrides are KEY=VALUE with a dotted key, "
-                "e.g. model.position.kind=rope train.max_steps=200"
-            )
-    try:
-        out = OmegaConf.to_container(OmegaConf.from_dotlist(overrides))
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"cannot read the overrides {overrides}: {err}") from None
-    assert isinstance(out, dict)
-    return out  # type: ignore[return-value]
-
-
-def load_config(preset: str | None = "demo", overrides: list[str] | None = None) -> Config:
-    """defaults < preset < overrides, validated. Raises ``ConfigError`` with a readable message."""
-    data: dict[str, Any] = {}
-    if preset:
-        data = _read_preset(preset)
-        data.setdefault("preset", Path(preset).stem)
-    if overrides:
-        data = _merge(data, parse_overrides(overrides))
-    return validate(_resolve(data))
-
-
-def _resolve(data: dict[str, Any]) -> dict[str, Any]:
-    """OmegaConf interpolations resolved, e.g. ``path: ${oc.env:MULTI30K,../shared/data/multi30k}``
-    (an environment variable, with a default after the comma) or ``${model.d_model}``."""
-    try:
-        out = OmegaConf.to_container(OmegaConf.create(data), resolve=True)
-    except OmegaConfBaseException as err:
-        raise ConfigError(
-            f"cannot resolve an interpolation in the preset or overrides ({str(err).splitlines()[0]}); "
-            "set the environment variable, or give a default: ${oc.env:NAME,default}"
-        ) from None
-    assert isinstance(out, dict)
-    return out  # type: ignore[return-value]
-
-
-def validate(data: dict[str, Any]) -> Config:
-    """Build a ``Config`` from a mapping, turning pydantic's errors into one readable paragraph."""
-    try:
-        return Config.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError(format_errors(err)) from None
-
-
-def format_errors(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
-        if e["type"] == "extra_forbidden":
-            parent = ".".join(str(p) for p in e["loc"][:-1])
-            valid = _section_fields(e["loc"][:-1])
-            where = f"in section '{parent}'" if parent else "at the top level"
-            lines.append(
-                f"unknown key '{key}' {where}; valid keys are: {', '.join(valid)} "
-                "(check the spelling in the preset or the override)"
-            )
-        elif e["type"] == "value_error":
-            # our validators' messages already name their dotted keys
-            lines.append(str(e.get("ctx", {}).get("error", e["msg"])))
-        else:
-            got = e.get("input")
-            lines.append(f"{key}: {e['msg']} (got {got!r}); fix the value in the preset or override")
-    return "invalid configuration: " + "; ".join(lines)
-
-
-def _section_fields(loc: tuple[int | str, ...]) -> list[str]:
-    cls: type[BaseModel] = Config
-    for part in loc:
-        field = cls.model_fields.get(str(part))
-        ann = field.annotation if field is not None else None
-        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
-            return []
-        cls = ann
-    return list(cls.model_fields)
-
-
-def describe(cls: type[BaseModel] = Config, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(dotted key, default, documentation) for every config key, for docs and ``--help-config``."""
-    rows: list[tuple[str, str, str]] = []
-    for name, field in cls.model_fields.items():
-        ann = field.annotation
-        key = f"{prefix}{name}"
-        if isinstance(ann, type) and issubclass(ann, BaseModel):
-            rows.extend(describe(ann, key + "."))
-        else:
-            default = field.get_default(call_default_factory=True)
-            rows.append((key, repr(default), field.description or ""))
-    return rows
-
-
-def markdown_reference() -> str:
-    """Every config key as a markdown table (``docs/config.md`` is this, checked by a test)."""
-    lines = [
-        "# Configuration reference",
-        "",
-        "Generated by `python -m tpe_train.config`; every key, its default and its documentation.",
-        "",
-        "| key | default | meaning |",
-        "|---|---|---|",
-    ]
-    lines += [f"| `{key}` | `{default}` | {' '.join(doc.split())} |" for key, default, doc in describe()]
-    return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    print(markdown_reference(), end="")

@@ -2,20 +2,21 @@
 
 One checkpoint is a directory ``<run_dir>/checkpoints/step-<8 digits>/``:
 
-- ``model.safetensors``, ``optimizer.safetensors``: the full fp32 weights and Adam moments of the
-  single-device model (``parallel.portable``): what resuming, averaging and exporting read, in any
-  layout, without unpickling anything;
-- ``deepspeed/``: every rank's own DeepSpeed shards, written through accelerate's ``save_state`` (for
-  DeepSpeed's tools: ``zero_to_fp32``, universal conversion); never read by tpe-train;
+- ``model-<rank>.safetensors``, ``optimizer-<rank>.safetensors``: the pieces of the single-device
+  model's fp32 weights and Adam moments that each rank holds (its ZeRO partition, its tensor-parallel
+  slice), and ``index.json``, which says for every piece which region of which tensor it is
+  (``ckpt.shards``): what resuming in any layout, averaging and exporting read, without unpickling;
 - ``trainer.json``: step, tokens seen, data position, scheduler, Adam's step count, loss scaler,
   the layout that wrote it; ``rank-<5 digits>.json``: each rank's RNG states (and stream position);
-- ``config.yaml``, ``tokenizer.json``;
+- ``config.yaml``, ``tokenizer.json``; with ``train.deepspeed_shards``, ``deepspeed/``: every rank's
+  own DeepSpeed shards (for DeepSpeed's tools), never read by tpe-train;
 - ``manifest.json``, written last: every file with its size and SHA-256. No manifest, no checkpoint.
 
-Protocol: all ranks write under ``.tmp-step-…``; when every rank reports success rank 0 writes the
-manifest, renames the directory into place and only then moves ``latest`` (a one-line file, replaced
-atomically). A crash at any moment leaves either the previous state or the new complete checkpoint;
-leftovers (``.tmp-*``, directories without a valid manifest) are reported, skipped and removed.
+Protocol: all ranks write under ``.tmp-step-…`` (hashing their files as they write them); when every
+rank reports success rank 0 writes the index and the manifest, renames the directory into place and
+only then moves ``latest`` (a one-line file, replaced atomically). A crash at any moment leaves either
+the previous state or the new complete checkpoint; leftovers (``.tmp-*``, directories without a valid
+manifest) are reported, skipped and removed.
 """
 
 from __future__ import annotations
@@ -32,14 +33,14 @@ from typing import Any
 
 import yaml
 
+from tpe_train.ckpt.rundir import CONFIG, RunDir
 from tpe_train.config import Config
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
 TRAINER = "trainer.json"
-MODEL = "model.safetensors"
-OPTIMIZER = "optimizer.safetensors"
-FORMAT = "tpe-train-checkpoint/1"
+FORMAT = "tpe-train-checkpoint/2"
+FORMATS = (FORMAT, "tpe-train-checkpoint/1")  # /1: every tensor whole, in model/optimizer.safetensors
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -78,12 +79,13 @@ def write_json(path: Path, data: Any) -> None:
         os.fsync(f.fileno())
 
 
-def write_manifest(directory: Path, step: int, layout: dict[str, Any]) -> None:
-    """List every file with size and hash; written last, it is what makes the checkpoint complete."""
+def write_manifest(directory: Path, step: int, layout: dict[str, Any], known: dict[str, Any]) -> None:
+    """List every file with size and hash (``known``: those hashed while written; any other file is
+    hashed here); written last, it is what makes the checkpoint complete."""
     files = {}
     for path in sorted(p for p in directory.rglob("*") if p.is_file()):
         rel = str(path.relative_to(directory))
-        files[rel] = {"size": path.stat().st_size, "sha256": sha256(path)}
+        files[rel] = known.get(rel) or {"size": path.stat().st_size, "sha256": sha256(path)}
     write_json(directory / MANIFEST, {"format": FORMAT, "step": step, "layout": layout, "files": files})
 
 
@@ -125,7 +127,7 @@ def inspect(path: Path) -> Entry:
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
-        assert manifest.get("format") == FORMAT
+        assert manifest.get("format") in FORMATS
     except (ValueError, KeyError, AssertionError):
         return Entry(path, step, False, "unreadable manifest", size, {})
     for rel, info in files.items():
@@ -196,7 +198,7 @@ def resume_choice(resume: str, run_dir: Path) -> Path | None:
     """
     if resume not in ("auto", "latest"):
         path = Path(resume)
-        entry = latest_complete(path)[0] if path.name == "checkpoints" else None
+        entry = latest_complete(path)[0] if RunDir.of_checkpoints(path) else None
         if not (path / MANIFEST).is_file() and entry is None:
             raise CheckpointError(
                 f"train.resume={path} is not a complete checkpoint (no manifest.json); pass a "
@@ -204,7 +206,7 @@ def resume_choice(resume: str, run_dir: Path) -> Path | None:
                 "or never"
             )
         return entry.path if entry is not None else path
-    root = run_dir / "checkpoints"
+    root = RunDir(run_dir).checkpoints
     entry, skipped = latest_complete(root)
     for bad in skipped:
         print(f"tpe-train: skipping incomplete checkpoint {bad.path} ({bad.reason})")
@@ -242,7 +244,7 @@ def resume_choice(resume: str, run_dir: Path) -> Path | None:
 def check_compatible(path: Path, cfg: Config, vocab: str | None = None) -> None:
     """Refuse a checkpoint of another model config or tokenizer (``vocab``: the tokenizer's hash, when
     known), naming what differs."""
-    saved = yaml.safe_load((path / "config.yaml").read_text())
+    saved = yaml.safe_load((path / CONFIG).read_text())
     ours = cfg.model_dump(mode="json")["model"]
     differences = _diff(saved.get("model", {}), ours, "model")
     if differences:

@@ -1,34 +1,35 @@
-"""Final checkpoints: safetensors weights + resolved config + tokenizer, written atomically.
+"""Exports: safetensors weights + resolved config + tokenizer + hashes, what ``tpe-eval`` reads.
 
-A checkpoint directory is written under a temporary name and renamed into place only when complete,
-so an interrupted save never leaves a half-written checkpoint where a reader looks.
+An export is consolidated offline from a training checkpoint's shards (or the mean of several), one
+tensor at a time, written under a temporary name and renamed into place only when complete, so an
+interrupted export never leaves a half-written directory where a reader looks.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 import yaml
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from tpe_train.ckpt_store import MODEL, TRAINER, CheckpointError, entries, sha256, verify
+from tpe_train.ckpt.rundir import CONFIG, TOKENIZER, RunDir
+from tpe_train.ckpt.shards import read_index, read_tensor, write_safetensors
+from tpe_train.ckpt.store import TRAINER, CheckpointError, entries, sha256, verify
 from tpe_train.config import Config, ConfigError, validate
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.data.tokenizer import load_tokenizer, vocab_hash
 from tpe_train.model.transformer import Transformer
 
-WEIGHTS, CONFIG, TOKENIZER, META = (
-    "model.safetensors",
-    "config.yaml",
-    "tokenizer.json",
-    "meta.json",
-)
+#: An export's files besides ``CONFIG`` and ``TOKENIZER``: the weights, and hashes and step.
+WEIGHTS, META = "model.safetensors", "meta.json"
 
 
 def build_model(cfg: Config, tok: Tokenizer) -> Transformer:
@@ -36,21 +37,28 @@ def build_model(cfg: Config, tok: Tokenizer) -> Transformer:
     return Transformer(cfg.model.args(tok.get_vocab_size(), PAD_ID, BOS_ID, EOS_ID))
 
 
-def save_export(directory: Path, model: Transformer, cfg: Config, tok: Tokenizer, step: int) -> Path:
-    """Write weights, config, tokenizer and metadata to ``directory`` atomically."""
+def write_export(
+    directory: Path,
+    tensors: Iterator[tuple[str, torch.Tensor]],
+    shapes: dict[str, tuple[int, ...]],
+    cfg: Config,
+    tok: Tokenizer,
+    step: int,
+) -> Path:
+    """Write weights (``tensors``, one at a time, in the order of ``shapes``), config, tokenizer and
+    metadata to ``directory`` atomically."""
     directory = Path(directory)
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    state = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt", "step": str(step)})
+    written = write_safetensors(tmp / WEIGHTS, tensors, shapes, metadata={"format": "pt", "step": str(step)})
     (tmp / CONFIG).write_text(cfg.to_yaml())
     tok.save(str(tmp / TOKENIZER))
     meta = {
         "step": step,
         "vocab_hash": vocab_hash(tok),
-        "parameters": sum(v.numel() for v in state.values()),
-        "sha256": {name: sha256(tmp / name) for name in (WEIGHTS, CONFIG, TOKENIZER)},
+        "parameters": sum(math.prod(shape) for shape in shapes.values()),
+        "sha256": {WEIGHTS: written["sha256"], **{name: sha256(tmp / name) for name in (CONFIG, TOKENIZER)}},
     }
     (tmp / META).write_text(json.dumps(meta, indent=2))
     old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
@@ -59,6 +67,13 @@ def save_export(directory: Path, model: Transformer, cfg: Config, tok: Tokenizer
     tmp.rename(directory)
     shutil.rmtree(old, ignore_errors=True)
     return directory
+
+
+def save_export(directory: Path, model: torch.nn.Module, cfg: Config, tok: Tokenizer, step: int) -> Path:
+    """Export a model held whole in this process (``write_export`` of its state dict)."""
+    state = {k: v.detach() for k, v in model.state_dict().items()}
+    shapes = {k: tuple(v.shape) for k, v in state.items()}
+    return write_export(directory, iter(state.items()), shapes, cfg, tok, step)
 
 
 def load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
@@ -104,34 +119,50 @@ def load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
 
 def export_mean(sources: list[Path], out: Path) -> Path:
     """The mean of training checkpoints' fp32 weights (accumulated in fp64) as an export at ``out``,
-    stamped with the last source's step; one source: that checkpoint. Every file read is verified
-    against its checkpoint's manifest first."""
+    stamped with the last source's step; one source: that checkpoint. Consolidated offline from the
+    checkpoints' shards one tensor at a time (memory: a few copies of the largest parameter); every
+    file read is verified against its checkpoint's manifest first."""
     first = sources[0]
     cfg = validate(yaml.safe_load((first / CONFIG).read_text()))
     tok = load_tokenizer(first / TOKENIZER)
-    total: dict[str, torch.Tensor] = {}
+    with torch.device("meta"):
+        shapes = {name: tuple(p.shape) for name, p in build_model(cfg, tok).named_parameters()}
+    indexes = []
     for path in sources:
-        verify(path, [MODEL, CONFIG, TOKENIZER])
-        weights = load_file(str(path / MODEL))
-        if total and weights.keys() != total.keys():
-            raise CheckpointError(f"{path} holds another model than {first}; average checkpoints of one run")
-        for name, value in weights.items():
-            total[name] = total[name] + value.double() if name in total else value.double()
-    model = build_model(cfg, tok)
-    model.load_state_dict({k: (v / len(sources)).float() for k, v in total.items()})
+        index = read_index(path)
+        entries = index["tensors"]
+        wrong = [n for n, shape in shapes.items() if n not in entries or tuple(entries[n]["shape"]) != shape]
+        if wrong:
+            raise CheckpointError(
+                f"{path} holds another model than {first} ({wrong[0]} missing or of another shape); average "
+                "checkpoints of one run"
+            )
+        verify(
+            path,
+            [CONFIG, TOKENIZER, TRAINER, *sorted({c["file"] for n in shapes for c in entries[n]["chunks"]})],
+        )
+        indexes.append(index)
+
+    def mean() -> Iterator[tuple[str, torch.Tensor]]:
+        for name in shapes:
+            total = read_tensor(sources[0], indexes[0], name).double()
+            for path, index in zip(sources[1:], indexes[1:], strict=True):
+                total += read_tensor(path, index, name)
+            yield name, (total / len(sources)).float()
+
     step = int(json.loads((sources[-1] / TRAINER).read_text())["step"])
-    return save_export(out, model, cfg, tok, step)
+    return write_export(out, mean(), shapes, cfg, tok, step)
 
 
-def average_last(cfg: Config, run_dir: Path) -> tuple[Transformer, dict[str, Any]]:
+def average_last(cfg: Config, run_dir: RunDir) -> tuple[Transformer, dict[str, Any]]:
     """The final model of ``eval.average_last`` N > 1: the mean of the run's last N complete
     checkpoints, exported to ``<run_dir>/averaged-lastN`` (what ``tpe-ckpt average`` writes), read back."""
     n = cfg.eval.average_last
-    chosen = [e for e in entries(run_dir / "checkpoints") if e.complete][-n:]
+    chosen = [e for e in entries(run_dir.checkpoints) if e.complete][-n:]
     if len(chosen) < n:
         print(f"tpe-train: eval.average_last={n}, but the run has {len(chosen)} complete checkpoints; "
               "averaging those")  # fmt: skip
-    export = export_mean([e.path for e in chosen], run_dir / f"averaged-last{n}")
+    export = export_mean([e.path for e in chosen], run_dir.averaged(n))
     names = [e.path.name for e in chosen]
     print(f"tpe-train: final model = mean of {', '.join(names)} -> {export}")
     model, _, _ = load_export(export)

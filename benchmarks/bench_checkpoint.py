@@ -1,0 +1,298 @@
+"""Sharded checkpoints against the gathering save they replaced: memory, time and bytes, in one run.
+
+    DS_ACCELERATOR=cpu python benchmarks/bench_checkpoint.py [--layouts zero3x2,zero3x4,zero2x2] [--json F]
+
+Each layout is a real ``accelerate launch`` of this script on CPU processes over gloo (DeepSpeed
+ZeRO-3 with 2 and 4 processes, ZeRO-2 with 2), holding the ``wmt14_en_de_big`` model (d 1024, 16
+heads, FFN 4096, 6 + 6 layers, shared vocabulary 37,000: 213M parameters) after one real optimizer step
+on a small batch, so that Adam's moments exist. In that one process group, in this order:
+
+- ``sharded``: ``ckpt.state.Checkpointer.save`` (each rank writes its own pieces), then ``restore``;
+- ``sharded async``: the same with ``train.async_save``: the blocking part (staging the rank's pieces in
+  host memory) and the total until the checkpoint is published;
+- ``gathering``: the save this replaced, kept below as the peer: every rank gathers the whole model
+  and both moments in fp32 (``safe_get_full_fp32_param`` / ``safe_get_full_optimizer_state``, one
+  collective per parameter and tensor), rank 0 writes them, and every rank writes DeepSpeed's own
+  shards (``accelerator.save_state``); its load reads the whole files on every rank and scatters them.
+
+Memory is each rank's peak resident set during the call over its resident set when the call starts
+(``VmHWM`` after resetting it through ``/proc/self/clear_refs``, free heap returned to the system with
+``malloc_trim`` first), so it counts what the call adds. Time is the slowest rank's wall time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tpe_train.ckpt.store import sha256
+
+ROOT = Path(__file__).resolve().parents[1]
+LAYOUTS = {"zero3x2": ("zero3.json", 2), "zero3x4": ("zero3.json", 4), "zero2x2": ("zero2.json", 2)}
+
+
+# --- the gathering save and load that sharded checkpoints replaced (the former parallel/portable.py) ----
+
+
+def gather_state(engine: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    weights, moments = {}, {}
+    for name, p in engine.module.named_parameters():  # no tensor parallelism in these layouts
+        weights[name] = safe_get_full_fp32_param(p).float().cpu()
+        for m in ("exp_avg", "exp_avg_sq"):
+            moments[f"{m}/{name}"] = safe_get_full_optimizer_state(p, m).float().cpu()
+    return weights, moments
+
+
+def gathering_save(engine: Any, out: Path) -> None:
+    from safetensors.torch import save_file
+
+    engine.accelerator.save_state(str(out / "deepspeed"))
+    weights, moments = gather_state(engine)
+    if engine.ctx.is_main:
+        save_file(weights, str(out / "model.safetensors"))
+        save_file(moments, str(out / "optimizer.safetensors"))
+    engine.ctx.barrier()
+    if engine.ctx.is_main:  # the manifest: rank 0 hashed every file
+        [sha256(p) for p in sorted(out.rglob("*")) if p.is_file()]
+    engine.ctx.barrier()
+
+
+def gathering_load(engine: Any, out: Path) -> None:
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+    from safetensors.torch import load_file
+
+    for name in ("model.safetensors", "optimizer.safetensors"):  # every rank checked the files' hashes
+        sha256(out / name)
+    weights, moments = (
+        load_file(str(out / "model.safetensors")),
+        load_file(str(out / "optimizer.safetensors")),
+    )
+    with engine.gathered(modify=True) as full:
+        for name, p in full.named_parameters():
+            p.data.copy_(weights[name].to(p.dtype))
+    for name, p in engine.module.named_parameters():
+        safe_set_full_fp32_param(p, weights[name])
+        for m in ("exp_avg", "exp_avg_sq"):
+            safe_set_full_optimizer_state(p, moments[f"{m}/{name}"], m)
+
+
+# --- one launched process ------------------------------------------------------------------------------
+
+
+def resident() -> dict[str, int]:
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("VmRSS", "VmHWM"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+def measure(fn: Callable[[], Any]) -> dict[str, float]:
+    """Wall time of ``fn`` and the most memory it added to this process at any moment. Free heap
+    memory goes back to the system first (else a call reusing it would look free of cost)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+    before = resident()["VmRSS"]
+    start = time.perf_counter()
+    fn()
+    wall = time.perf_counter() - start
+    return {"wall_s": wall, "peak_extra_b": resident()["VmHWM"] - before}
+
+
+def size_of(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+class Position:
+    """Stands in for the data position a run saves (``TrainBatches``): nothing to read here."""
+
+    per_rank = False
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": 0, "taken": 0}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        pass
+
+
+def worker(out_json: Path, work: Path, preset: str) -> None:
+    from tokenizers import Tokenizer, models
+
+    from tpe_train.ckpt.state import Checkpointer, Progress
+    from tpe_train.config import load_config
+    from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID, Batch, pad
+    from tpe_train.model.transformer import Transformer
+    from tpe_train.parallel.context import ParallelContext
+    from tpe_train.parallel.deepspeed import deepspeed_config, resolve_layout
+    from tpe_train.parallel.engine import Engine
+    from tpe_train.step import inverse_sqrt, train_step
+
+    overrides = ["train.threads=1", "eval.average_last=1", "train.keep_last=1", "train.clip_norm=0"]
+    cfg = load_config(preset, overrides)
+    layout = resolve_layout(cfg)
+    ctx = ParallelContext.from_env(layout.tp_size, deepspeed=True)
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    vocab = cfg.data.vocab_size
+    model = Transformer(cfg.model.args(vocab, PAD_ID, BOS_ID, EOS_ID)).train()
+    params = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=cfg.train.adam_betas, eps=1e-9)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt(cfg.train.warmup_steps))
+    engine = Engine(
+        model, opt, sched, ctx, accumulate=1, clip_norm=0.0, deepspeed=deepspeed_config(cfg, layout)
+    )
+    del model, opt
+    g = torch.Generator().manual_seed(ctx.rank)
+    rows = [torch.randint(4, vocab, (12,), generator=g).tolist() for _ in range(4)]
+    src, tgt = pad([[*r, EOS_ID] for r in rows]), pad([[*r, EOS_ID] for r in rows])
+    batch = Batch(ids=torch.arange(4), src=src, tgt_in=pad(rows, prefix=BOS_ID), tgt_out=tgt)
+    train_step(engine, [batch], cfg, ctx, cast=False)  # Adam's moments exist from here on
+    tok = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1}, unk_token="<unk>"))
+    progress = Progress(step=1, tokens=0.0)
+    result: dict[str, Any] = {
+        "parameters": params,
+        "world_size": ctx.world_size,
+        "zero_stage": layout.zero_stage,
+    }
+
+    def checkpointer(root: Path, background: bool) -> Checkpointer:
+        cfg.train.async_save = background
+        return Checkpointer(root, cfg, engine, tok, Position(), layout.zero_stage)  # type: ignore[arg-type]
+
+    sharded = checkpointer(work / "sharded", background=False)
+    result["sharded save"] = measure(lambda: sharded.save(progress))
+    result["sharded load"] = measure(lambda: sharded.restore(work / "sharded" / "step-00000001"))
+    background = checkpointer(work / "async", background=True)
+    blocking: dict[str, float] = {}
+
+    def async_save() -> None:
+        blocking.update(measure(lambda: background.save(progress)))
+        background.wait()
+
+    result["async save"] = measure(async_save)
+    result["async save"]["blocking_s"] = blocking["wall_s"]
+    gathered = work / "gathering"
+    if ctx.is_main:
+        gathered.mkdir(parents=True, exist_ok=True)
+    ctx.barrier()
+    result["gathering save"] = measure(lambda: gathering_save(engine, gathered))
+    result["gathering load"] = measure(lambda: gathering_load(engine, gathered))
+    everyone = ctx.gather(result)
+    if ctx.is_main:
+        summary = {key: everyone[0][key] for key in ("parameters", "world_size", "zero_stage")}
+        summary["ranks"] = everyone
+        step = "step-00000001"
+        summary["bytes"] = {
+            "sharded": size_of(work / "sharded" / step),
+            "async": size_of(work / "async" / step),
+            "gathering": size_of(gathered),
+        }
+        out_json.write_text(json.dumps(summary, indent=1))
+
+
+# --- the driver ----------------------------------------------------------------------------------------
+
+
+def launch(name: str, work: Path, preset: str) -> dict[str, Any]:
+    ds_file, procs = LAYOUTS[name]
+    launch_file = work / f"{name}.yaml"
+    text = (ROOT / "configs" / "accelerate" / "cpu_zero3.yaml").read_text()
+    text = text.replace("num_processes: 2", f"num_processes: {procs}")
+    text = text.replace("configs/deepspeed/zero3.json", f"configs/deepspeed/{ds_file}")
+    launch_file.write_text(text)
+    out, place = work / f"{name}.json", work / name
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launch_file),
+           str(Path(__file__).resolve()), "--worker", str(out), "--dir", str(place),
+           "--preset", preset]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{name} failed:\n{proc.stderr[-6000:]}")
+    shutil.rmtree(place, ignore_errors=True)
+    return dict(json.loads(out.read_text()))
+
+
+def report(name: str, r: dict[str, Any]) -> list[str]:
+    """One table per layout: the worst rank of each figure, and the ratios to the gathering save."""
+    ranks, gib = r["ranks"], 2**30
+    state = r["parameters"] * 4 * 3  # fp32 weights + two moments
+
+    def mem(key: str) -> float:
+        return max(x[key]["peak_extra_b"] for x in ranks) / gib
+
+    def wall(key: str, field: str = "wall_s") -> float:
+        return max(x[key][field] for x in ranks)
+
+    size = {k: v / gib for k, v in r["bytes"].items()}
+    rows = [
+        ("peak extra RSS, save (GiB)", mem("sharded save"), mem("async save"), mem("gathering save")),
+        ("peak extra RSS, load (GiB)", mem("sharded load"), None, mem("gathering load")),
+        (
+            "save, blocking (s)",
+            wall("sharded save"),
+            wall("async save", "blocking_s"),
+            wall("gathering save"),
+        ),
+        ("save, until published (s)", wall("sharded save"), wall("async save"), wall("gathering save")),
+        ("load (s)", wall("sharded load"), None, wall("gathering load")),
+        ("bytes written (GiB)", size["sharded"], size["async"], size["gathering"]),
+    ]
+    lines = [
+        f"{name}: {r['world_size']} processes, ZeRO-{r['zero_stage']}, {r['parameters'] / 1e6:.1f}M "
+        f"parameters (fp32 weights + moments {state / gib:.2f} GiB); the worst rank of each figure",
+        f"  {'':28s}{'sharded':>9s}{'async':>9s}{'gathering':>11s}{'sharded/g.':>12s}{'async/g.':>10s}",
+    ]
+    for label, sharded, background, gathering in rows:
+        cells = [f"{x:9.2f}" if x is not None else " " * 9 for x in (sharded, background)]
+        ratios = [f"{x / gathering:10.3f}" if x is not None else " " * 10 for x in (sharded, background)]
+        lines.append(f"  {label:28s}{cells[0]}{cells[1]}{gathering:11.2f}  {ratios[0]}{ratios[1]}")
+    lines.append(f"  bytes written / (weights + moments): sharded {r['bytes']['sharded'] / state:.3f}, "
+                 f"gathering {r['bytes']['gathering'] / state:.3f}")  # fmt: skip
+    for key in ("sharded save", "async save", "gathering save", "sharded load", "gathering load"):
+        per_rank = " ".join(f"{x[key]['peak_extra_b'] / gib:.2f}" for x in ranks)
+        lines.append(f"  peak extra RSS per rank, {key} (GiB): {per_rank}")
+    return lines
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--layouts", default="zero3x2,zero3x4,zero2x2", help=f"some of {', '.join(LAYOUTS)}")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument("--dir", type=Path, help="where checkpoints go (default: a temporary directory)")
+    parser.add_argument(
+        "--preset", default="wmt14_en_de_big", help="the model (a smaller preset for a dry run)"
+    )
+    parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker is not None:
+        worker(args.worker, args.dir, args.preset)
+        return
+    work = Path(tempfile.mkdtemp(prefix="tpe-bench-ckpt-", dir=args.dir))
+    figures = {}
+    try:
+        for name in args.layouts.split(","):
+            figures[name] = launch(name, work, args.preset)
+            print("\n".join(report(name, figures[name])), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(figures, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,89 @@
+"""``RunDir``: the layout of a run directory, the one place where its names are spelled.
+
+    <run_dir>/
+      config.yaml               the resolved config, written before step 1
+      tokenizer.json            the run's vocabulary (a resumed run must keep it)
+      deepspeed.json            the generated DeepSpeed config (DeepSpeed runs)
+      memory.json               every rank's start-up memory report
+      tb/                       TensorBoard events
+      samples/rank-<r>.jsonl    the pair ids of every batch of data-parallel rank r (train.log_samples)
+      checkpoints/              training checkpoints: step-<8 digits>/ and latest (ckpt.store)
+      checkpoint/               the final export, what tpe-eval reads (ckpt.export)
+      averaged-last<N>/         the mean of the last N checkpoints, exported (eval.average_last,
+                                tpe-ckpt average, tpe-launch --script eval), with its eval.json
+      eval.json                 the final figures (evaluate.EvalFiles)
+      hypotheses/               the test hypotheses and references scored (evaluate.EvalFiles)
+      preempted.json            written when a preemption signal stopped the run (exit status 75)
+      slurm-<job>.out           Slurm's log of a job (tpe-launch submit)
+
+Only the standard library here: the launch layer reads it without importing torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+#: Names shared by the run directory, its checkpoints and exports.
+CONFIG = "config.yaml"
+TOKENIZER = "tokenizer.json"
+EVAL = "eval.json"
+
+
+@dataclass(frozen=True)
+class RunDir:
+    """The paths of one run directory."""
+
+    path: Path
+
+    @property
+    def config(self) -> Path:
+        return self.path / CONFIG
+
+    @property
+    def tokenizer(self) -> Path:
+        return self.path / TOKENIZER
+
+    @property
+    def deepspeed_config(self) -> Path:
+        return self.path / "deepspeed.json"
+
+    @property
+    def memory(self) -> Path:
+        return self.path / "memory.json"
+
+    @property
+    def tensorboard(self) -> Path:
+        return self.path / "tb"
+
+    def samples(self, dp_rank: int) -> Path:
+        return self.path / "samples" / f"rank-{dp_rank:05d}.jsonl"
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / "checkpoints"
+
+    @property
+    def export(self) -> Path:
+        return self.path / "checkpoint"
+
+    def averaged(self, n: int) -> Path:
+        return self.path / f"averaged-last{n}"
+
+    @property
+    def eval(self) -> Path:
+        return self.path / EVAL
+
+    @property
+    def preempted(self) -> Path:
+        return self.path / "preempted.json"
+
+    def slurm_log(self, job: str) -> Path:
+        """Slurm's log (``job``: a filename pattern such as ``%j`` or ``eval-%j``)."""
+        return self.path / f"slurm-{job}.out"
+
+    @classmethod
+    def of_checkpoints(cls, path: Path) -> RunDir | None:
+        """The run directory whose checkpoints directory ``path`` is, if it is one."""
+        run = cls(path.parent)
+        return run if run.checkpoints == path else None

@@ -1,0 +1,137 @@
+"""Loading a config: defaults < preset YAML (``base:``-chained) < dotted overrides, resolved by OmegaConf,
+validated by pydantic, errors reported as one paragraph per key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+from pydantic import BaseModel, ValidationError
+
+from tpe_train.config.sections import Config, ConfigError
+
+PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
+
+
+def preset_path(preset: str) -> Path:
+    """A preset name (``configs/presets/<name>.yaml``) or a path to a YAML file."""
+    path = Path(preset)
+    if path.suffix in (".yaml", ".yml") and path.is_file():
+        return path
+    candidate = PRESET_DIR / f"{preset}.yaml"
+    if candidate.is_file():
+        return candidate
+    names = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
+    raise ConfigError(
+        f"preset {preset!r} not found: it is neither a YAML file nor one of the presets in "
+        f"{PRESET_DIR} ({', '.join(names)}); pass --preset with one of those names or a path"
+    )
+
+
+def _read_preset(preset: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
+    """The preset's mapping, merged over its ``base:`` chain."""
+    path = preset_path(preset)
+    if str(path) in seen:
+        raise ConfigError(f"preset {path} inherits from itself through 'base:'; break the cycle")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as err:
+        raise ConfigError(f"preset {path} is not valid YAML ({err}); fix the file") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"preset {path} must be a YAML mapping of sections, got {type(data).__name__}")
+    base = data.pop("base", None)
+    if base is None:
+        return data
+    return _merge(_read_preset(str(base), (*seen, str(path))), data)
+
+
+def _merge(low: dict[str, Any], high: dict[str, Any]) -> dict[str, Any]:
+    merged = OmegaConf.merge(OmegaConf.create(low), OmegaConf.create(high))
+    out = OmegaConf.to_container(merged)
+    assert isinstance(out, dict)
+    return out  # type: ignore[return-value]
+
+
+def parse_overrides(overrides: list[str]) -> dict[str, Any]:
+    """``["a.b=1", "c=x"]`` -> nested dict, values parsed as YAML scalars/lists."""
+    for item in overrides:
+        key, sep, _ = item.partition("=")
+        if not sep or not key or key.startswith("-"):
+            raise ConfigError(
+                f"cannot read the override {item!r}: overrides are KEY=VALUE with a dotted key, "
+                "e.g. model.position.kind=rope train.max_steps=200"
+            )
+    try:
+        out = OmegaConf.to_container(OmegaConf.from_dotlist(overrides))
+    except OmegaConfBaseException as err:
+        raise ConfigError(f"cannot read the overrides {overrides}: {err}") from None
+    assert isinstance(out, dict)
+    return out  # type: ignore[return-value]
+
+
+def load_config(preset: str | None = "demo", overrides: list[str] | None = None) -> Config:
+    """defaults < preset < overrides, validated. Raises ``ConfigError`` with a readable message."""
+    data: dict[str, Any] = {}
+    if preset:
+        data = _read_preset(preset)
+        data.setdefault("preset", Path(preset).stem)
+    if overrides:
+        data = _merge(data, parse_overrides(overrides))
+    return validate(_resolve(data))
+
+
+def _resolve(data: dict[str, Any]) -> dict[str, Any]:
+    """OmegaConf interpolations resolved, e.g. ``path: ${oc.env:MULTI30K,../shared/data/multi30k}``
+    (an environment variable, with a default after the comma) or ``${model.d_model}``."""
+    try:
+        out = OmegaConf.to_container(OmegaConf.create(data), resolve=True)
+    except OmegaConfBaseException as err:
+        raise ConfigError(
+            f"cannot resolve an interpolation in the preset or overrides ({str(err).splitlines()[0]}); "
+            "set the environment variable, or give a default: ${oc.env:NAME,default}"
+        ) from None
+    assert isinstance(out, dict)
+    return out  # type: ignore[return-value]
+
+
+def validate(data: dict[str, Any]) -> Config:
+    """Build a ``Config`` from a mapping, turning pydantic's errors into one readable paragraph."""
+    try:
+        return Config.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(format_errors(err)) from None
+
+
+def format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(p) for p in e["loc"])
+        if e["type"] == "extra_forbidden":
+            parent = ".".join(str(p) for p in e["loc"][:-1])
+            valid = _section_fields(e["loc"][:-1])
+            where = f"in section '{parent}'" if parent else "at the top level"
+            lines.append(
+                f"unknown key '{key}' {where}; valid keys are: {', '.join(valid)} "
+                "(check the spelling in the preset or the override)"
+            )
+        elif e["type"] == "value_error":
+            # our validators' messages already name their dotted keys
+            lines.append(str(e.get("ctx", {}).get("error", e["msg"])))
+        else:
+            got = e.get("input")
+            lines.append(f"{key}: {e['msg']} (got {got!r}); fix the value in the preset or override")
+    return "invalid configuration: " + "; ".join(lines)
+
+
+def _section_fields(loc: tuple[int | str, ...]) -> list[str]:
+    cls: type[BaseModel] = Config
+    for part in loc:
+        field = cls.model_fields.get(str(part))
+        ann = field.annotation if field is not None else None
+        if not (isinstance(ann, type) and issubclass(ann, BaseModel)):
+            return []
+        cls = ann
+    return list(cls.model_fields)
