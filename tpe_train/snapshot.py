@@ -13,7 +13,7 @@ import os
 import random
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,7 @@ from tpe_train.data.tokenizer import vocab_hash
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.portable import adam_steps, gather_state, load_state
+from tpe_train.selection import Best, from_trainer
 
 
 @dataclass
@@ -51,6 +52,7 @@ class Progress:
 
     step: int = 0
     tokens: float = 0.0  # target tokens trained on, over all ranks
+    best: Best = field(default_factory=Best)  # model selection and early stopping (``selection``)
 
 
 def layout_of(ctx: ParallelContext, zero_stage: int | None) -> dict[str, Any]:
@@ -142,7 +144,8 @@ def save(
         attempt(lambda: write_manifest(tmp, step, layout_of(ctx, zero_stage)))
         attempt(lambda: publish(tmp, final))
         if error is None:
-            prune(root, cfg.train.keep_last, cfg.train.keep_every)
+            best = (progress.best.step,) if cfg.eval.select == "best" else ()
+            prune(root, cfg.train.keep_last, cfg.train.keep_every, best)
     _agree(ctx, error, tmp)
     return final
 
@@ -175,7 +178,9 @@ def restore(path: Path, engine: Engine, cfg: Config, tok: Tokenizer, batches: Tr
     scheduler.load_state_dict({**scheduler.state_dict(), **trainer["scheduler"]})
     engine.set_lr(scheduler.get_last_lr())
     _set_loss_scaler(engine, trainer.get("loss_scaler"))
-    progress = Progress(step=int(trainer["step"]), tokens=float(trainer["tokens"]))
+    progress = Progress(
+        step=int(trainer["step"]), tokens=float(trainer["tokens"]), best=from_trainer(trainer)
+    )
     mine = path / rank_file(ctx.rank)
     if batches.per_rank:
         if saved["dp_size"] != ctx.dp_size:

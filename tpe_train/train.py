@@ -22,8 +22,8 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from tpe_train import snapshot
-from tpe_train.checkpoint import average_last, build_model, parameter_count, save_export
+from tpe_train import selection, snapshot
+from tpe_train.checkpoint import build_model, parameter_count, save_export
 from tpe_train.ckpt_store import CheckpointError, check_compatible, latest_complete
 from tpe_train.config import Config, ConfigError, load_config
 from tpe_train.data.corpus import Prepared, TrainBatches, prepare
@@ -162,7 +162,10 @@ def run(cfg: Config) -> dict[str, Any]:
     show = cfg.train.progress and ctx.is_main
     bar = tqdm(total=cfg.train.max_steps, initial=progress.step, disable=not show, dynamic_ncols=True)
     window_tokens, window_start = 0.0, time.perf_counter()
+    stop = selection.exhausted(progress.best, cfg.train.patience)  # a resumed run that stopped early
     for step in range(progress.step + 1, cfg.train.max_steps + 1):
+        if stop:
+            break
         micro = [next(batches) for _ in range(cfg.train.accumulate)]
         stats = train_step(engine, micro, cfg, ctx, cast)
         progress.step, progress.tokens = step, progress.tokens + stats["tokens"]
@@ -182,11 +185,16 @@ def run(cfg: Config) -> dict[str, Any]:
             _log(writer, scalars, step)
             bar.set_postfix(loss=f"{scalars['train/loss']:.3f}", lr=f"{scalars['train/lr']:.2e}")
             window_tokens, window_start = 0.0, time.perf_counter()
+        save_best = False  # eval.select=best: the best validation's checkpoint is saved at once
         if step % cfg.train.valid_every == 0 or step == cfg.train.max_steps:
-            _log(writer, validate(engine, data, cfg, ctx, cast), step)
+            figures = validate(engine, data, cfg, ctx, cast)
+            _log(writer, figures, step)
+            save_best, stop = selection.observe(progress.best, figures, cfg, step, ctx)
         preempted = ctx.any(signals.received is not None)
         if (
             preempted
+            or stop
+            or save_best
             or step == cfg.train.max_steps
             or (cfg.train.save_every and step % cfg.train.save_every == 0)
         ):
@@ -211,8 +219,7 @@ def run(cfg: Config) -> dict[str, Any]:
         final.load_state_dict(weights)
         checkpoint = save_export(run_dir / "checkpoint", final, cfg, data.tokenizer, progress.step)
         metrics["checkpoint"] = str(checkpoint)
-        if cfg.eval.average_last > 1:
-            final, metrics["averaged"] = average_last(cfg, run_dir)
+        final, metrics["selected"] = selection.final_model(cfg, run_dir, final, progress.best)
         if cfg.eval.at_end:
             final.to(ctx.device)  # decoding on the rank's GPU where it has one
             metrics.update(evaluate(final, data.tokenizer, data.splits, cfg.eval, lang=cfg.data.tgt_lang))
