@@ -8,6 +8,7 @@ array still runs, the runs without figures are listed as missing).
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,34 @@ class Run:
     run_dir: Path
     eval_path: Path
     metrics: dict[str, Any] | None
+
+    def wall(self) -> tuple[float, float, float] | None:
+        """(seconds its processes ran, first start, last end) as ``<run_dir>/study.log`` recorded them:
+        training and evaluation, summed over a resumed run's processes; None without a finished one."""
+        log = self.run_dir / "study.log"
+        stamps = _STAMP.findall(log.read_text(errors="replace")) if log.is_file() else []
+        spans, start = [], None
+        for kind, unix in stamps:
+            if kind == "started":
+                start = float(unix)
+            elif start is not None:
+                spans.append((start, float(unix)))
+                start = None
+        if not spans:
+            return None
+        return sum(b - a for a, b in spans), spans[0][0], spans[-1][1]
+
+
+#: The lines tpe-study writes around each process of a run (``runner.run_logged``).
+_STAMP = re.compile(r"^# (started|exit -?\d+ at) .*\(unix ([0-9.]+)\)$", re.M)
+
+
+def duration(seconds: float) -> str:
+    """``4 h 05 min``, ``12 min``, ``45 s``."""
+    minutes = round(seconds / 60)
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{minutes} min"
 
 
 @dataclass
@@ -216,11 +245,22 @@ def markdown(study: Study, runs: list[Run], rows: list[Row], plots: list[Path], 
         lines += [f"![{p.stem.replace('_', ' ')}]({p.name})" for p in plots]
     if notes:
         lines += ["", *(f"- {n}" for n in notes)]
-    lines += ["", "## Runs", "", "| setting | seed | BLEU | figures |", "|---|---|---|---|"]
+    lines += ["", "## Runs", "", "| setting | seed | BLEU | wall | figures |", "|---|---|---|---|---|"]
+    walls = [w for w in (r.wall() for r in runs) if w is not None]
     for r in runs:
         where = r.eval_path.relative_to(study.root) if r.eval_path.is_relative_to(study.root) else r.eval_path
         bleu = f"{r.metrics['bleu']:.2f}" if r.metrics else "missing"
-        lines.append(f"| `{r.setting.name}` | {r.seed} | {bleu} | `{where}` |")
+        wall = r.wall()
+        lines.append(
+            f"| `{r.setting.name}` | {r.seed} | {bleu} | {duration(wall[0]) if wall else 'n/a'} | `{where}` |"
+        )
+    if walls:
+        total, span = sum(w[0] for w in walls), max(w[2] for w in walls) - min(w[1] for w in walls)
+        lines += [
+            "",
+            f"Wall time (training and evaluation of each run, from its `study.log`): {duration(total)} for "
+            f"{_count(len(walls), 'run')} together; {duration(span)} from the first start to the last end.",
+        ]
     missing = [r for r in runs if r.metrics is None]
     if missing:
         lines += [
