@@ -297,7 +297,7 @@ def test_the_final_model_is_the_mean_of_the_last_checkpoints_when_asked(tmp_path
         got["encoder.layers.0.ffn.fc_in.weight"], parts[-1]["encoder.layers.0.ffn.fc_in.weight"]
     )
     figures = json.loads((run / "eval.json").read_text())  # the averaged model's figures
-    assert figures["averaged"]["checkpoints"] == ["step-00000002", "step-00000004", "step-00000006"]
+    assert figures["selected"]["checkpoints"] == ["step-00000002", "step-00000004", "step-00000006"]
     scored = subprocess.run(
         [sys.executable, "-m", "tpe_train.evaluate", "--checkpoint", str(run / "averaged-last3"), "--json"],
         capture_output=True,

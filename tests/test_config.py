@@ -68,7 +68,21 @@ ERRORS = [
         ["model.attention=flex", "model.attention_dropout=0.1"],
         "model.attention=flex has no dropout on the attention weights",
     ),
+    (["eval.select=average_last"], "set eval.average_last=N with N >= 2"),
+    (["eval.select=best", "eval.average_last=3"], "only eval.select=average_last does, but eval.select=best"),
+    (
+        ["eval.select=best", "eval.select_by=bleu", "train.valid_bleu_size=0"],
+        "train.valid_bleu_size=0 translates no validation sentence",
+    ),
+    (["train.patience=2", "eval.select_by=bleu", "train.valid_bleu_size=0"], "or eval.select_by=loss"),
+    (["eval.select=first"], "eval.select"),
 ]
+
+
+def test_a_config_that_averages_without_eval_select_still_means_average_last() -> None:
+    cfg = load_config("demo", ["eval.average_last=3", "train.save_every=100", "train.keep_last=3"])
+    assert cfg.eval.select == "average_last" and cfg.eval.average_last == 3
+    assert load_config("demo").eval.select == "last"
 
 
 @pytest.mark.parametrize(("overrides", "message"), ERRORS)

@@ -200,7 +200,25 @@ def test_report_means_deviations_and_unrepresentable_lengths(tmp_path: Path) -> 
         path = study.eval_path(parse_setting(name), seed)
         path.parent.mkdir(parents=True)
         path.write_text(json.dumps(_figures(bleu, {"1-10": bleu, "11-20": bleu, "21+": long})))
+    # rope seed 1 was stopped and resumed: its wall time is that of its two processes (60 + 30 min);
+    # learned seed 1 ran 2 h 5 min, learned seed 2 is still running (a start without an exit)
+    stamp = "{} 2026-12-01 10:00:00 (unix {})\n"
+    logs = {
+        ("rope", 1): [("# started", 0), ("# exit 75 at", 3600), ("# started", 4000), ("# exit 0 at", 5800)],
+        ("learned", 1): [("# started", 6000), ("# exit 0 at", 13500)],
+        ("learned", 2): [("# started", 14000)],
+    }
+    for (name, seed), lines in logs.items():
+        log = study.run_dir(parse_setting(name), seed) / "study.log"
+        log.write_text(
+            "".join(stamp.format(what, 1.8e9 + t) + "$ python -m tpe_train.train\n" for what, t in lines)
+        )
     report = write_report(study).read_text()
+    assert (
+        "| `rope` | 1 | 10.00 | 1 h 30 min |" in report and "| `learned` | 1 | 30.00 | 2 h 05 min |" in report
+    )
+    assert "| `learned` | 2 | 33.00 | n/a |" in report
+    assert "3 h 35 min for 2 runs together; 3 h 45 min from the first start to the last end" in report
     rows: dict[str, str] = {}
     for line in report.splitlines():  # the first row of a setting is the table's; later ones list runs
         if line.startswith("| `"):

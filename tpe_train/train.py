@@ -21,8 +21,8 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from tpe_train import run_lock
-from tpe_train.ckpt.export import average_last, build_model, export_mean, load_export, parameter_count
+from tpe_train import run_lock, selection
+from tpe_train.ckpt.export import build_model, export_mean, load_export, parameter_count
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.ckpt.state import Checkpointer, Progress
 from tpe_train.ckpt.store import CheckpointError, check_compatible, latest_complete, resume_choice
@@ -167,7 +167,10 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
     show = cfg.train.progress and ctx.is_main
     bar = tqdm(total=cfg.train.max_steps, initial=progress.step, disable=not show, dynamic_ncols=True)
     meter = Throughput.of_run(cfg, data.tokenizer.get_vocab_size(), ctx)  # tokens/s, MFU
+    stop = selection.exhausted(progress.best, cfg.train.patience)  # a resumed run that stopped early
     for step in range(progress.step + 1, cfg.train.max_steps + 1):
+        if stop:
+            break
         micro = [next(batches) for _ in range(cfg.train.accumulate)]
         stats = train_step(engine, micro, cfg, ctx, cast)
         progress.step, progress.tokens = step, progress.tokens + stats["tokens"]
@@ -185,11 +188,16 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
             }
             _log(writer, scalars, step)
             bar.set_postfix(loss=f"{scalars['train/loss']:.3f}", lr=f"{scalars['train/lr']:.2e}")
+        save_best = False  # eval.select=best: the best validation's checkpoint is saved at once
         if step % cfg.train.valid_every == 0 or step == cfg.train.max_steps:
-            _log(writer, validate(engine, data, cfg, ctx, cast), step)
+            figures = validate(engine, data, cfg, ctx, cast)
+            _log(writer, figures, step)
+            save_best, stop = selection.observe(progress.best, figures, cfg, step, ctx)
         preempted = ctx.any(signals.received is not None)
         if (
             preempted
+            or stop
+            or save_best
             or step == cfg.train.max_steps
             or (cfg.train.save_every and step % cfg.train.save_every == 0)
         ):
@@ -214,8 +222,7 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
         checkpoint = export_mean([last], run_dir.export)
         final = load_export(checkpoint)[0]
         metrics["checkpoint"] = str(checkpoint)
-        if cfg.eval.average_last > 1:
-            final, metrics["averaged"] = average_last(cfg, run_dir)
+        final, metrics["selected"] = selection.final_model(cfg, run_dir, final, progress.best)
         if cfg.eval.at_end:
             final.to(ctx.device)  # decoding on the rank's GPU where it has one
             sets = config_sets(cfg.data, data.splits)

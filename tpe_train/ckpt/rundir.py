@@ -9,6 +9,7 @@
       samples/rank-<r>.jsonl    the pair ids of every batch of data-parallel rank r (train.log_samples)
       checkpoints/              training checkpoints: step-<8 digits>/ and latest (ckpt.store)
       checkpoint/               the final export, what tpe-eval reads (ckpt.export)
+      best/                     the checkpoint of the best validation, exported (eval.select=best)
       averaged-last<N>/         the mean of the last N checkpoints, exported (eval.average_last,
                                 tpe-ckpt average, tpe-launch --script eval), with its eval.json
       eval.json                 the final figures (evaluate.EvalFiles)
@@ -66,6 +67,10 @@ class RunDir:
     @property
     def export(self) -> Path:
         return self.path / "checkpoint"
+
+    @property
+    def best(self) -> Path:
+        return self.path / "best"
 
     def averaged(self, n: int) -> Path:
         return self.path / f"averaged-last{n}"

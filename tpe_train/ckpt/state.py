@@ -24,7 +24,7 @@ import shutil
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +61,7 @@ from tpe_train.data.corpus import TrainBatches
 from tpe_train.data.tokenizer import vocab_hash
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
+from tpe_train.selection import Best, from_trainer
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Progress:
 
     step: int = 0
     tokens: float = 0.0  # target tokens trained on, over all ranks
+    best: Best = field(default_factory=Best)  # model selection and early stopping (``selection``)
 
 
 def layout_of(ctx: ParallelContext, zero_stage: int | None) -> dict[str, Any]:
@@ -128,6 +130,7 @@ class _Job:
     final: Path
     pieces: list[Piece]
     texts: dict[str, str]
+    keep: tuple[int, ...]  # steps pruning must keep (the best validation's under eval.select=best)
 
 
 class Checkpointer:
@@ -165,7 +168,8 @@ class Checkpointer:
         if self.cfg.train.deepspeed_shards and self.engine.uses_deepspeed:  # for DeepSpeed's tools
             self._agree(_attempt(lambda: self.engine.accelerator.save_state(str(tmp / "deepspeed"))), tmp)
         pieces = [h.piece() for h in holdings(self.engine, moments=adam_steps(self.engine) > 0)]
-        job = _Job(step, tmp, final, pieces, self._texts(progress))
+        keep = (progress.best.step,) if self.cfg.eval.select == "best" else ()
+        job = _Job(step, tmp, final, pieces, self._texts(progress), keep)
         if not self.cfg.train.async_save:
             self._write(job)
             self.wait()
@@ -233,7 +237,7 @@ class Checkpointer:
                     listed[INDEX] = write_text(job.tmp / INDEX, dump_index(merged))
                     write_manifest(job.tmp, job.step, self.layout, listed)
                     publish(job.tmp, job.final)
-                    prune(self.root, self.cfg.train.keep_last, self.cfg.train.keep_every)
+                    prune(self.root, self.cfg.train.keep_last, self.cfg.train.keep_every, job.keep)
                 except Exception as err:  # as above: the other ranks wait for the verdict
                     error = f"{type(err).__name__}: {err}"
             if error is not None:
@@ -298,7 +302,7 @@ class Checkpointer:
         scheduler.load_state_dict({**scheduler.state_dict(), **trainer["scheduler"]})
         engine.set_lr(scheduler.get_last_lr())
         _set_loss_scaler(engine, trainer.get("loss_scaler"))
-        progress = Progress(step=int(trainer["step"]), tokens=float(trainer["tokens"]))
+        progress = Progress(int(trainer["step"]), float(trainer["tokens"]), best=from_trainer(trainer))
         rank_state = json.loads(mine.read_text()) if same_layout or per_rank else {}
         self.batches.load_state_dict(rank_state["data"] if per_rank else trainer["data"])
         if same_layout:

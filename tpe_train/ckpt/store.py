@@ -269,13 +269,16 @@ def _diff(saved: Any, ours: Any, prefix: str) -> list[str]:
     return [] if saved == ours else [f"{prefix} is {saved!r} there, {ours!r} here"]
 
 
-def prune(root: Path, keep_last: int, keep_every: int) -> list[Path]:
+def prune(root: Path, keep_last: int, keep_every: int, keep_steps: tuple[int, ...] = ()) -> list[Path]:
     """Remove all but the last ``keep_last`` complete checkpoints, keeping any whose step is a
-    multiple of ``keep_every`` (> 0), and remove unfinished leftovers. Returns what was removed."""
+    multiple of ``keep_every`` (> 0) or in ``keep_steps`` (the best validation's), and remove unfinished
+    leftovers. Returns what was removed."""
     all_entries = entries(root)
     complete = [e for e in all_entries if e.complete]
     keep = {e.path for e in complete[-keep_last:]} if keep_last > 0 else set()
-    keep |= {e.path for e in complete if keep_every > 0 and e.step % keep_every == 0}
+    keep |= {
+        e.path for e in complete if (keep_every > 0 and e.step % keep_every == 0) or e.step in keep_steps
+    }
     removed = [e.path for e in all_entries if e.path not in keep]
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)

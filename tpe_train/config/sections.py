@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -340,6 +340,9 @@ class TrainConfig(Section):
     deepspeed_shards: bool = False
     """Also write DeepSpeed's own shard files (checkpoint's deepspeed/, for zero_to_fp32 and universal
     conversion); tpe-train never reads them, and they double the bytes written."""
+    patience: int = Field(0, ge=0)
+    """Early stopping: stop after this many validations in a row without improving eval.select_by
+    (0: train max_steps); trainer state, restored on resume."""
     log_samples: bool = False
     """Write the pair ids of every training batch to <run_dir>/samples/rank-<r>.jsonl (audits resume)."""
     compile: bool = False
@@ -385,9 +388,24 @@ class EvalConfig(Section):
     """Upper edges (source words) of the length buckets BLEU is reported for; a last open bucket follows."""
     at_end: bool = True
     """Evaluate the final model on the test sets when training ends."""
+    select: Literal["last", "best", "average_last"] = "last"
+    """The final model, exported and evaluated: last (the last step's weights), best (the checkpoint of the
+    best validation by eval.select_by, kept through pruning, exported to <run_dir>/best) or average_last."""
+    select_by: Literal["loss", "bleu"] = "loss"
+    """Validation figure of eval.select=best and train.patience: loss (nll per token, lower is better) or
+    bleu (greedy BLEU on train.valid_bleu_size sentences, higher is better)."""
     average_last: int = Field(1, ge=1)
-    """The final model is the mean of the last N complete checkpoints (1: the last step's weights).
-    The papers average 5 (base) or 20 (big); exported to <run_dir>/averaged-lastN and evaluated."""
+    """eval.select=average_last: the final model is the mean of the last N >= 2 complete checkpoints,
+    exported to <run_dir>/averaged-lastN (the papers: 5 base, 20 big). N > 1 with no eval.select given
+    means select=average_last (configs older than eval.select)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older_configs(cls, data: Any) -> Any:
+        n = data.get("average_last") if isinstance(data, dict) else None
+        if isinstance(n, int) and n > 1 and "select" not in data:
+            return {**data, "select": "average_last"}
+        return data
 
 
 class Config(Section):
@@ -415,13 +433,31 @@ class Config(Section):
                 f"training sequence (data.max_len={self.data.max_len} tokens + EOS/BOS); raise "
                 "max_positions or lower data.max_len"
             )
-        n = self.eval.average_last
-        if n > 1 and self.train.save_every == 0:
+        n, select = self.eval.average_last, self.eval.select
+        if select == "average_last" and n < 2:
+            raise ValueError(
+                f"eval.select=average_last averages the last eval.average_last checkpoints, but that is {n}; "
+                "set eval.average_last=N with N >= 2 (the papers: 5 or 20)"
+            )
+        if select != "average_last" and n > 1:
+            raise ValueError(
+                f"eval.average_last={n} averages checkpoints, which only eval.select=average_last does, but "
+                f"eval.select={select}; set eval.average_last=1, or eval.select=average_last"
+            )
+        uses_figure = select == "best" or self.train.patience > 0
+        if uses_figure and self.eval.select_by == "bleu" and self.train.valid_bleu_size == 0:
+            raise ValueError(
+                "eval.select_by=bleu ranks validations by greedy BLEU (for eval.select=best or "
+                "train.patience), but train.valid_bleu_size=0 translates no validation sentence; set "
+                "train.valid_bleu_size (e.g. 500) or eval.select_by=loss"
+            )
+        if select == "average_last" and self.train.save_every == 0:
             raise ValueError(
                 f"eval.average_last={n} averages the last {n} checkpoints, but train.save_every=0 saves "
-                "only at the end; set train.save_every (steps between checkpoints) or eval.average_last=1"
+                "only at the end; set train.save_every (steps between checkpoints), or eval.select=last or "
+                "best with eval.average_last=1"
             )
-        if n > self.train.keep_last:
+        if select == "average_last" and n > self.train.keep_last:
             raise ValueError(
                 f"eval.average_last={n} needs the last {n} checkpoints, but train.keep_last="
                 f"{self.train.keep_last} deletes older ones; raise train.keep_last to at least {n}"

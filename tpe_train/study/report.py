@@ -28,6 +28,14 @@ from tpe_train.study.results import (
 )
 
 
+def duration(seconds: float) -> str:
+    """``4 h 05 min``, ``12 min``, ``45 s``."""
+    minutes = round(seconds / 60)
+    if seconds < 60:
+        return f"{seconds:.0f} s"
+    return f"{minutes // 60} h {minutes % 60:02d} min" if minutes >= 60 else f"{minutes} min"
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" + ("" if n == 1 else "s")
 
@@ -144,11 +152,22 @@ def markdown(
         lines += [f"![{p.stem.replace('_', ' ')}]({p.name})" for p in plots]
     if notes:
         lines += ["", *(f"- {n}" for n in notes)]
-    lines += ["", "## Runs", "", "| setting | seed | BLEU | figures |", "|---|---|---|---|"]
+    lines += ["", "## Runs", "", "| setting | seed | BLEU | wall | figures |", "|---|---|---|---|---|"]
+    walls = [w for w in (r.wall() for r in runs) if w is not None]
     for r in runs:
         where = r.eval_path.relative_to(study.root) if r.eval_path.is_relative_to(study.root) else r.eval_path
         bleu = f"{r.metrics['bleu']:.2f}" if r.metrics else "missing"
-        lines.append(f"| `{r.setting.name}` | {r.seed} | {bleu} | `{where}` |")
+        wall = r.wall()
+        lines.append(
+            f"| `{r.setting.name}` | {r.seed} | {bleu} | {duration(wall[0]) if wall else 'n/a'} | `{where}` |"
+        )
+    if walls:
+        total, span = sum(w[0] for w in walls), max(w[2] for w in walls) - min(w[1] for w in walls)
+        lines += [
+            "",
+            f"Wall time (training and evaluation of each run, from its `study.log`): {duration(total)} for "
+            f"{_count(len(walls), 'run')} together; {duration(span)} from the first start to the last end.",
+        ]
     missing = [r for r in runs if r.metrics is None]
     if missing:
         lines += [

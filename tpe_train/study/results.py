@@ -5,6 +5,7 @@ pooled over seeds, from the test hypotheses each evaluation kept (no decoding he
 
 from __future__ import annotations
 
+import re
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,26 @@ class Run:
     run_dir: Path
     eval_path: Path
     metrics: dict[str, Any] | None
+
+    def wall(self) -> tuple[float, float, float] | None:
+        """(seconds its processes ran, first start, last end) as ``<run_dir>/study.log`` recorded them:
+        training and evaluation, summed over a resumed run's processes; None without a finished one."""
+        log = self.run_dir / "study.log"
+        stamps = _STAMP.findall(log.read_text(errors="replace")) if log.is_file() else []
+        spans, start = [], None
+        for kind, unix in stamps:
+            if kind == "started":
+                start = float(unix)
+            elif start is not None:
+                spans.append((start, float(unix)))
+                start = None
+        if not spans:
+            return None
+        return sum(b - a for a, b in spans), spans[0][0], spans[-1][1]
+
+
+#: The lines tpe-study writes around each process of a run (``runner.run_logged``).
+_STAMP = re.compile(r"^# (started|exit -?\d+ at) .*\(unix ([0-9.]+)\)$", re.M)
 
 
 @dataclass
