@@ -113,6 +113,20 @@ def test_tensor_parallel_forward_with_flex_equals_one_process(tmp_path: Path) ->
         assert relative(r["nll"], r["ref_nll"]) < 1e-5, (kind, r)
 
 
+def test_plain_ddp_with_two_ranks_follows_one_process(tmp_path: Path) -> None:
+    """`accelerate launch` of configs/accelerate/cpu_ddp.yaml (no DeepSpeed): the gradients are averaged
+    over the ranks (torch DDP), so 2 ranks with half a batch each follow one process with the whole."""
+    out = tmp_path / "ddp.json"
+    launch(ROOT / "configs/accelerate/cpu_ddp.yaml", [str(HARNESS), "zero", str(out), "4"], tmp_path)
+    result = json.loads(out.read_text())
+    assert result["dp_size"] == 2 and result["zero_stage"] is None
+    for step in result["steps"]:
+        assert relative(step["loss"], step["ref_loss"]) < 1e-6, step
+        assert relative(step["grad_norm"], step["ref_grad_norm"]) < 1e-6, step
+        assert step["param_diff"] < 1e-6, step
+    assert result["steps"][-1]["moved"] > 40 * 1e-6  # the parameters move, so the comparison can fail
+
+
 @pytest.mark.parametrize("launch_file", ["ddp", "zero1", "zero2"])
 def test_compiled_layers_under_ddp_and_zero_follow_one_eager_process(
     tmp_path: Path, launch_file: str

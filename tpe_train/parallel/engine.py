@@ -1,5 +1,5 @@
-"""One training engine for every layout: one process, plain data parallelism, or DeepSpeed (ZeRO 0-3,
-offload, AutoTP), all prepared by accelerate.
+"""One training engine for every layout: one process, plain data parallelism (torch DDP), or DeepSpeed
+(ZeRO 0-3, offload, AutoTP, prepared by accelerate).
 
 The loop sees three verbs: ``forward``, ``backward`` (per micro-batch) and ``step`` (returns the
 gradient norm); ``ckpt.holdings`` says which regions of the single-device state each rank holds.
@@ -47,8 +47,15 @@ class Engine:
         self._micro = 0
         self.accelerator: Any = None
         self.model: Any  # nn.Module, DistributedDataParallel or a DeepSpeed engine
-        if deepspeed is None and not ctx.distributed:
-            # One process: no wrapper at all (accelerate would only add a no-op layer).
+        self.ddp = deepspeed is None and ctx.distributed
+        if deepspeed is None:
+            # One process: no wrapper at all. Plain data parallelism: torch's DDP over the data-parallel
+            # group, wrapped here rather than by accelerate, whose state reads a CPU launch of
+            # `accelerate launch` (distributed_type MULTI_GPU + use_cpu, started by torchrun) as not
+            # distributed at all (accelerate 1.15: DistributedType.NO): every rank then trained alone.
+            if self.ddp:
+                ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+                model = nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=ctx.dp_group)
             self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
             return
         from accelerate import Accelerator
@@ -71,6 +78,8 @@ class Engine:
     @property
     def module(self) -> nn.Module:
         """The model without wrappers (its parameters may be sharded)."""
+        if self.ddp:
+            return self.model.module
         if self.accelerator is None:
             return self.model
         return self.accelerator.unwrap_model(self.model)
@@ -80,6 +89,8 @@ class Engine:
         return self.uses_deepspeed and self.model.zero_optimization_stage() == 3
 
     def forward(self, *args: Tensor) -> Tensor:
+        if self.ddp and torch.is_grad_enabled():  # DDP's no_sync, for every micro-batch but the last
+            self.model.require_backward_grad_sync = self._micro + 1 == self.accumulate
         return self.model(*args)
 
     def backward(self, loss: Tensor) -> None:
@@ -87,7 +98,7 @@ class Engine:
         (see ``step.train_step``); accelerate and DeepSpeed divide it by ``accumulate`` again,
         which the caller compensates."""
         self._micro += 1
-        if self.accelerator is None:
+        if self.accelerator is None:  # DDP averages the gradients over the ranks in the last backward
             (loss / self.accumulate).backward()
             return
         with self.accelerator.accumulate(self.model):
