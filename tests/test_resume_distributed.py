@@ -39,9 +39,10 @@ COMMON = [
 
 
 #: Another layout sums in another order (threads, all-reduce); a ReLU unit at its kink turns that into
-#: a visible difference in a few weights (seen: up to 1.6e-5). The parameters move by more than 1e-3
-#: over these steps, and a wrong moment, step count or batch shows as a difference of about lr = 2e-3.
-TOLERANCE = 1e-4
+#: a visible difference in a few weights (seen: up to 1.4e-4, DP 2 -> TP 2, in the rows of one FFN
+#: layer). The parameters move by more than 1e-3 over these steps, and a wrong moment, step count or
+#: batch shows as a difference of about lr = 2e-3, four times the tolerance.
+TOLERANCE = 5e-4
 
 
 def command(launch: str | None, run_dir: Path, *overrides: str) -> list[str]:
