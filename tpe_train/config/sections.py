@@ -226,7 +226,8 @@ class DataConfig(Section):
     shuffle_buffer: int = Field(10000, ge=1)
     """Streaming: pairs in the shuffle buffer."""
     tokenizer_sample: int = Field(1_000_000, ge=1)
-    """Streaming: the tokenizer is trained on the first this many training pairs."""
+    """The joint tokenizer is trained on this many training pairs: spread evenly over a prepared corpus
+    (all of it when smaller), the first ones of a stream."""
     store_dir: str = ""
     """Root of the binarised token stores (default: $TPE_DATA_CACHE or ~/.cache/tpe-train/data)."""
     tokenizer: Literal["bpe", "unigram"] = "bpe"

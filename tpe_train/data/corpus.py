@@ -239,7 +239,7 @@ def _build(cfg: DataConfig, path: Path) -> Prepared:
     if cfg.streaming:
         return _build_streaming(cfg, path)
     splits = corpus_splits(cfg)
-    tok = train_tokenizer(_texts(splits.train), cfg.vocab_size, cfg.tokenizer)
+    tok = train_tokenizer(_texts(_sample(splits.train, cfg.tokenizer_sample)), cfg.vocab_size, cfg.tokenizer)
     num_proc = cfg.num_proc if cfg.num_proc > 1 else None
     train = to_dataset(splits.train, tok, num_proc)
     before = len(train)
@@ -259,6 +259,15 @@ def _build(cfg: DataConfig, path: Path) -> Prepared:
     _, train, valid, _ = stored
     splits.valid = valid
     return Prepared(splits, tok, train, valid, dropped, path, built=True)
+
+
+def _sample(train: Dataset, n: int) -> Dataset:
+    """``n`` pairs spread evenly over the corpus (every k-th; the whole corpus when it has at most
+    ``n``): the tokenizer's training text, as WMT recipes learn BPE on a sample. Deterministic."""
+    if len(train) <= n:
+        return train
+    step = len(train) / n
+    return train.select(int(i * step) for i in range(n))
 
 
 def _texts(train: Dataset) -> Iterator[list[str]]:
