@@ -26,7 +26,8 @@ median step, the step against ``none``'s row with the same backend and compilati
 group, the step's memory (GPU: peak allocated; CPU: bytes of the tensors autograd saves for the
 backward pass, where the backends differ, as the CPU allocator keeps no peak), model FLOP/s and MFU
 against the matmul peak measured in the same rounds on the model's own GEMM shapes (FLOP formula and
-peak sampler: ``bench_train.py``). ``flex`` cannot train on the CPU (no backward there in torch 2.13):
+peak: ``tpe_train/perf.py``, the best of PyTorch's and oneDNN's kernels). ``flex`` cannot train on
+the CPU (no backward there in torch 2.13):
 its rows are left out there and beam search compares it instead.
 
 Beam search (``--decode``): beam 4, alpha 0.6, KV cache, eval mode, a batch of ``--decode-batch``
@@ -58,8 +59,9 @@ for path in (ROOT, ROOT / "benchmarks"):
     if str(path) not in sys.path:  # run as a script from a checkout without installing the package
         sys.path.insert(0, str(path))
 
-import bench_train  # noqa: E402  (FLOP formula and matmul peak; issue 17 moves them to tpe_train/perf.py)
+import bench_train  # noqa: E402  (Hugging Face peers, attention names, early-EOS suppression)
 
+from tpe_train import perf  # noqa: E402
 from tpe_train.config import load_config  # noqa: E402
 from tpe_train.data.batching import token_batches  # noqa: E402
 from tpe_train.data.tokenizer import train_tokenizer  # noqa: E402
@@ -238,6 +240,31 @@ class TrainRow:
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+DTYPE: list[Any] = ["fp32", torch.float32]  # (name, dtype) of the peak: set in main
+DEVICE_: list[torch.device] = [torch.device("cpu")]
+PEAK_SHAPES_: list[list[tuple[int, int, int]]] = [[]]
+
+
+class PeakRow:
+    """The matmul peak (``perf.Peak``: the best of PyTorch's and oneDNN's kernels) as a row of the
+    interleaved rounds, so that MFU's peak is measured under the same machine load as the steps.
+    Its shapes are (M, K, N) products; ``perf.Peak`` takes them as (rows, inner, outer)."""
+
+    name = "matmul-peak"
+
+    def __init__(self, dtype_name: str, dtype: torch.dtype, device: torch.device, shapes: list[Any]) -> None:
+        kernels = perf.gemm_kernels(dtype, device, native_bf16=False)
+        self.dtype_name, self.times = dtype_name, []  # type: ignore[var-annotated]
+        self.peak = perf.Peak(dtype, device, kernels, list(shapes))
+
+    def step(self) -> None:
+        self.peak.sample(2)
+
+    def result(self) -> dict[str, Any]:
+        per_shape = {shape: max(row.values()) for shape, row in self.peak.table(statistics.median).items()}
+        return {self.dtype_name: {"per_shape_gflops": per_shape, "peak_gflops": max(per_shape.values())}}
 
 
 def interleave(rows: list[Any], warmup: int, steps: int, device: torch.device, label: str) -> None:
@@ -419,7 +446,7 @@ def hf_group(
         shared = Shared(model, torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9))
         rows.append(TrainRow(kind, "auto", False, shared, batches, device, args.bf16, eps))
         rows.append(HFRow(hf, bench_train.hf_model(hf), batches, device, args.bf16, eps))
-    sampler = bench_train.PeakSampler(reps=2)
+    sampler = PeakRow(DTYPE[0], DTYPE[1], DEVICE_[0], PEAK_SHAPES_[0])
     interleave([*rows, sampler], args.warmup, args.steps, device, "hf")
     return rows, sampler.result()
 
@@ -438,7 +465,7 @@ def train_group(
         if args.compile_kinds is None or kind in args.compile_kinds:
             for backend in args.compile_backends:
                 rows.append(TrainRow(k, backend, True, shared, batches, device, args.bf16, eps))
-    sampler = bench_train.PeakSampler(reps=2)
+    sampler = PeakRow(DTYPE[0], DTYPE[1], DEVICE_[0], PEAK_SHAPES_[0])
     interleave([*rows, sampler], args.warmup, args.steps, device, kind)
     return rows, sampler.result()
 
@@ -483,21 +510,26 @@ def main(argv: list[str] | None = None) -> None:
             f"  batch {tuple(b.src.shape)} src, {tuple(b.tgt_in.shape)} tgt: {b.ntok} target tokens, "
             f"{100 * (1 - real / padded):.0f}% padding"
         )
-    # bench_train's FLOP formula and peak sampler read their shape from module globals
+    # bench_train's Hugging Face models read their shape from module globals
     bench_train.D_MODEL, bench_train.FFN_DIM, bench_train.VOCAB = m.d_model, m.ffn_dim, vocab
     bench_train.LAYERS, bench_train.DEVICE = m.encoder_layers, device
     tokens = 4096
-    bench_train.PEAK_SHAPES = [
+    DEVICE_[0] = device
+    PEAK_SHAPES_[0] = [
         (tokens, m.d_model, m.ffn_dim),
         (tokens, m.ffn_dim, m.d_model),
         (tokens, m.d_model, m.d_model),
         (tokens, m.d_model, vocab),
     ]
     dtype = "bf16" if args.bf16 else "fp32"
-    bench_train.PEAK_DTYPES = {dtype: torch.bfloat16 if args.bf16 else torch.float32}
+    DTYPE[:] = [dtype, torch.bfloat16 if args.bf16 else torch.float32]
+    L = m.encoder_layers
     flops = [
-        3 * b.src.shape[0] * bench_train.forward_flops(b.src.shape[1], b.tgt_in.shape[1])["total"]
+        3
+        * b.src.shape[0]
+        * perf.forward_flops(m.d_model, m.ffn_dim, L, m.decoder_layers, vocab, *lens)["total"]
         for b in batches
+        for lens in [(b.src.shape[1], b.tgt_in.shape[1])]
     ]
     mean_tok = statistics.mean(b.ntok for b in batches)
 
