@@ -1,0 +1,335 @@
+"""Data at WMT scale, simulated: a generated corpus of 4.5 million pairs in the Hugging Face ``wmt14``
+parquet layout, prepared with the ``wmt14_en_de_base`` preset, and the token-batch iterator over it.
+
+    python benchmarks/bench_wmt_scale.py --out /tmp/wmt-sim                  # 4.5M pairs, num_proc 1 and 2
+    python benchmarks/bench_wmt_scale.py --out /tmp/wmt-sim --pairs 200000 --write-only   # a corpus only
+
+1. The corpus (``OUT/corpus/de-en/{train,validation,test}-0000i-of-0000N.parquet``, a ``translation``
+   column of ``{"de": ..., "en": ...}`` as on the hub; not committed). Generated text: two synthetic
+   languages whose words follow a Zipf law over 150,000 types each (exponent 1.07), sentence lengths a
+   log-normal fitted to newstest2014's English side (median 22 words, long tail, capped at 150), the
+   German side 0.85-1.25 times as long, numbers and punctuation as tokens of their own.
+2. ``tpe-data prepare --preset wmt14_en_de_base`` on it (37,000-token joint BPE, learned on
+   ``data.tokenizer_sample`` = 1,000,000 pairs spread over the corpus), once with ``data.num_proc=1``
+   and once with 2, each in a fresh process with its own store and ``datasets`` cache: wall time,
+   pairs/s, the peak resident memory of the process tree (sampled every 0.2 s), the store's size.
+3. The batch iterator over that store in a fresh process: start-up (open the store, cut the epoch into
+   batches of 6,250 tokens, first batch), resident memory, median ms per batch (``next`` + collate), and
+   one Transformer-base training step (forward, label-smoothed loss, backward, Adam; 37,000 words) on
+   batches of that store, so that the iterator's share of a step is measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+ROOT = Path(__file__).resolve().parents[1]
+PRESET = "wmt14_en_de_base"
+SHARD = 500_000  # rows per parquet file, as the hub's shards hold a few hundred thousand
+
+
+# --- 1. the corpus ------------------------------------------------------------------------------------
+
+
+def _words(rng: np.random.Generator, n: int, lang: str) -> np.ndarray:
+    """``n`` distinct pronounceable word types, frequent ones short (as in natural languages)."""
+    onsets = ["b", "d", "f", "g", "h", "k", "l", "m", "n", "p", "r", "s", "t", "v", "w", "z", "sch", "st"]
+    onsets += ["tr", "br", "kl", "pr", "gr", "ch", "th", "sh"] if lang == "en" else ["pf", "kr", "ei", "au"]
+    nuclei = ["a", "e", "i", "o", "u", "ie", "ou", "ea", "ä", "ü", "ö"][: 9 if lang == "en" else 11]
+    codas = ["", "", "n", "r", "s", "t", "l", "ng", "ck", "nd", "st"]
+    seen: set[str] = set()
+    out: list[str] = []
+    while len(out) < n:
+        syllables = 1 + min(4, int(rng.exponential(0.35 + 2.2 * len(out) / n)))
+        word = "".join(
+            onsets[rng.integers(len(onsets))]
+            + nuclei[rng.integers(len(nuclei))]
+            + codas[rng.integers(len(codas))]
+            for _ in range(syllables)
+        )
+        if word not in seen:
+            seen.add(word)
+            out.append(word)
+    return np.array(out, dtype=object)
+
+
+def _sentences(
+    rng: np.random.Generator, words: np.ndarray, cdf: np.ndarray, lengths: np.ndarray
+) -> list[str]:
+    ids = np.searchsorted(cdf, rng.random(int(lengths.sum())))
+    tokens = words[ids]
+    punct = rng.random(len(lengths))
+    out, at = [], 0
+    for n, p in zip(lengths.tolist(), punct.tolist(), strict=True):
+        body = " ".join(tokens[at : at + n].tolist())
+        at += n
+        out.append(body + (" ." if p < 0.85 else " ?" if p < 0.9 else " , " + str(int(p * 1000)) + " ."))
+    return out
+
+
+def write_corpus(out: Path, pairs: int, seed: int = 0) -> dict[str, int]:
+    """The three splits in the hub's layout under ``out/de-en``; returns rows per split."""
+    rng = np.random.default_rng(seed)
+    types = 150_000
+    zipf = 1.0 / np.arange(1, types + 1) ** 1.07
+    cdf = np.cumsum(zipf) / zipf.sum()
+    vocab = {lang: _words(rng, types, lang) for lang in ("en", "de")}
+    folder = out / "de-en"
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    sizes = {"train": pairs, "validation": 3000, "test": 3003}
+    for split, rows in sizes.items():
+        shards = max(1, -(-rows // SHARD))
+        for k in range(shards):
+            n = min(SHARD, rows - k * SHARD)
+            en_len = np.clip(np.rint(rng.lognormal(np.log(22), 0.55, n)), 1, 150).astype(np.int64)
+            de_len = np.clip(np.rint(en_len * rng.uniform(0.85, 1.25, n)), 1, 160).astype(np.int64)
+            en = _sentences(rng, vocab["en"], cdf, en_len)
+            de = _sentences(rng, vocab["de"], cdf, de_len)
+            table = pa.table(
+                {"translation": pa.array([{"de": d, "en": e} for d, e in zip(de, en, strict=True)])}
+            )
+            pq.write_table(table, folder / f"{split}-{k:05d}-of-{shards:05d}.parquet")
+    return sizes
+
+
+# --- 2. preparation -----------------------------------------------------------------------------------
+
+
+def _tree_rss(proc: psutil.Process) -> int:
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        with contextlib.suppress(psutil.Error):
+            total += p.memory_info().rss
+    return total
+
+
+def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, int, str]:
+    """(wall seconds, peak resident bytes of the process tree, stdout) of one command."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    peak, done = 0, threading.Event()
+    ps = psutil.Process(proc.pid)
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            with contextlib.suppress(psutil.Error):
+                peak = max(peak, _tree_rss(ps))
+            done.wait(0.2)
+
+    watcher = threading.Thread(target=sample, daemon=True)
+    watcher.start()
+    out, _ = proc.communicate()
+    done.set()
+    watcher.join()
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}")
+    return wall, peak, out
+
+
+def du(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def overrides(corpus: Path, store: Path, num_proc: int) -> list[str]:
+    return [
+        "data.corpus=parquet",
+        f"data.path={corpus}",
+        f"data.store_dir={store}",
+        f"data.num_proc={num_proc}",
+    ]
+
+
+def prepare(corpus: Path, work: Path, num_proc: int) -> dict[str, float]:
+    store, cache = work / f"store-np{num_proc}", work / f"hf-cache-np{num_proc}"
+    shutil.rmtree(store, ignore_errors=True)
+    shutil.rmtree(cache, ignore_errors=True)
+    env = {**os.environ, "HF_DATASETS_CACHE": str(cache), "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    cmd = [
+        sys.executable,
+        "-m",
+        "tpe_train.data.cli",
+        "prepare",
+        "--preset",
+        PRESET,
+        *overrides(corpus, store, num_proc),
+    ]
+    wall, peak, out = run_measured(cmd, env)
+    line = next(ln for ln in out.splitlines() if ln.startswith("built "))
+    kept = int(line.split(": ")[1].split(" training pairs")[0])
+    return {
+        "num_proc": num_proc,
+        "wall_s": wall,
+        "peak_rss_gib": peak / 2**30,
+        "store_gib": du(store) / 2**30,
+        "cache_gib": du(cache) / 2**30,
+        "kept_pairs": kept,
+        "summary": line,
+    }
+
+
+# --- 3. the iterator, and a base step -----------------------------------------------------------------
+
+
+def iterator_child(corpus: Path, store: Path, batches: int, steps: int) -> None:
+    """In a fresh process: start-up, memory and ms per batch of the iterator, then base-model steps."""
+    import torch
+
+    from tpe_train.ckpt.export import build_model
+    from tpe_train.config import load_config
+    from tpe_train.data.corpus import TrainBatches
+    from tpe_train.data.corpus import prepare as prepare_data
+    from tpe_train.model.loss import label_smoothed_loss
+
+    me = psutil.Process()
+    rss0 = me.memory_info().rss
+    cfg = load_config(PRESET, overrides(corpus, store, 1))
+    start = time.perf_counter()
+    data = prepare_data(cfg.data)
+    it = TrainBatches(data, cfg.data, seed=1)
+    first = next(it)
+    startup = time.perf_counter() - start
+    times = []
+    for _ in range(batches):
+        t0 = time.perf_counter()
+        next(it)
+        times.append(time.perf_counter() - t0)
+    rss = me.memory_info().rss
+    torch.set_num_threads(2)
+    model = build_model(cfg, data.tokenizer)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    step_times = []
+    for k in range(steps + 1):
+        b = first if k == 0 else next(it)
+        t0 = time.perf_counter()
+        logits = model(b.src, b.tgt_in)
+        loss, _, _ = label_smoothed_loss(logits, b.tgt_out, 0, 0.1)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if k:
+            step_times.append(time.perf_counter() - t0)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "train_pairs": len(data.train),
+                "batches_per_epoch": len(it.batches.batches) if it.batches is not None else None,
+                "startup_s": startup,
+                "rss_gib": rss / 2**30,
+                "rss_added_gib": (rss - rss0) / 2**30,
+                "ms_per_batch": 1000 * statistics.median(times),
+                "base_step_ms": 1000 * statistics.median(step_times),
+                "tokens_first_batch": int(first.src.numel() + first.tgt_in.numel()),
+            }
+        )
+    )
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, required=True, help="work directory (corpus, stores, caches)")
+    ap.add_argument("--pairs", type=int, default=4_500_000)
+    ap.add_argument("--num-proc", default="1,2", help="data.num_proc values to prepare with")
+    ap.add_argument("--batches", type=int, default=300, help="iterator batches timed")
+    ap.add_argument("--steps", type=int, default=2, help="base-model steps timed (after one warm-up)")
+    ap.add_argument("--write-only", action="store_true", help="write the corpus, measure nothing")
+    ap.add_argument("--reuse-corpus", action="store_true", help="keep OUT/corpus if it is there")
+    ap.add_argument("--json", type=Path, default=None)
+    ap.add_argument("--child", nargs=2, metavar=("CORPUS", "STORE"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        iterator_child(Path(args.child[0]), Path(args.child[1]), args.batches, args.steps)
+        return
+    corpus = args.out / "corpus"
+    if not (args.reuse_corpus and (corpus / "de-en").is_dir()):
+        t0 = time.perf_counter()
+        sizes = write_corpus(corpus, args.pairs)
+        print(
+            f"corpus: {sizes} pairs in {corpus} ({du(corpus) / 2**30:.2f} GiB parquet), "
+            f"written in {time.perf_counter() - t0:.0f} s",
+            flush=True,
+        )
+    if args.write_only:
+        return
+    pairs = sum(pq.ParquetFile(f).metadata.num_rows for f in (corpus / "de-en").glob("train-*.parquet"))
+    results: dict[str, object] = {"pairs": pairs, "prepare": []}
+    print(f"\n1. tpe-data prepare --preset {PRESET} data.corpus=parquet, {pairs:,} training pairs")
+    print(
+        f"{'num_proc':>8} {'wall s':>8} {'pairs/s':>9} {'peak RSS GiB':>13} {'store GiB':>10} "
+        f"{'HF cache GiB':>13}"
+    )
+    for n in [int(x) for x in args.num_proc.split(",")]:
+        r = prepare(corpus, args.out, n)
+        results["prepare"].append(r)  # type: ignore[union-attr]
+        print(
+            f"{n:>8} {r['wall_s']:>8.0f} {pairs / r['wall_s']:>9.0f} {r['peak_rss_gib']:>13.2f} "
+            f"{r['store_gib']:>10.2f} {r['cache_gib']:>13.2f}   {r['summary']}",
+            flush=True,
+        )
+    store = args.out / f"store-np{int(args.num_proc.split(',')[0])}"
+    cmd = [
+        sys.executable,
+        __file__,
+        "--out",
+        str(args.out),
+        "--batches",
+        str(args.batches),
+        "--steps",
+        str(args.steps),
+        "--child",
+        str(corpus),
+        str(store),
+    ]
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"iterator child failed:\n{proc.stderr[-3000:]}")
+    it = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
+    results["iterator"] = it
+    share = it["ms_per_batch"] / it["base_step_ms"]
+    print("\n2. token-batch iterator over the store (data.max_tokens=6250), fresh process")
+    print(
+        f"start-up (open store, cut {it['batches_per_epoch']:,} batches, first batch): "
+        f"{it['startup_s']:.1f} s"
+    )
+    print(
+        f"resident memory after {args.batches} batches: {it['rss_gib']:.2f} GiB "
+        f"({it['rss_added_gib']:.2f} GiB added by the store and the iterator)"
+    )
+    print(
+        f"next + collate: {it['ms_per_batch']:.2f} ms per batch; Transformer-base step (37k words, "
+        f"2 threads): {it['base_step_ms']:.0f} ms: {100 * share:.3f}% of a step"
+    )
+    peak = max(r["peak_rss_gib"] for r in results["prepare"])  # type: ignore[union-attr]
+    print(
+        "\ngoals: peak memory <= 3 GB: {}; iterator start-up <= 20 s: {}; iterator <= 2% of a step: "
+        "{}".format(
+            f"{peak * 2**30 / 1e9:.2f} GB " + ("met" if peak * 2**30 <= 3e9 else "NOT met"),
+            f"{it['startup_s']:.1f} s " + ("met" if it["startup_s"] <= 20 else "NOT met"),
+            f"{100 * share:.3f}% " + ("met" if share <= 0.02 else "NOT met"),
+        )
+    )
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
