@@ -12,7 +12,8 @@ parquet layout, prepared with the ``wmt14_en_de_base`` preset, and the token-bat
 2. ``tpe-data prepare --preset wmt14_en_de_base`` on it (37,000-token joint BPE, learned on
    ``data.tokenizer_sample`` = 1,000,000 pairs spread over the corpus), once with ``data.num_proc=1``
    and once with 2, each in a fresh process with its own store and ``datasets`` cache: wall time,
-   pairs/s, the peak resident memory of the process tree (sampled every 0.2 s), the store's size.
+   pairs/s, the peak memory of the process tree (PSS summed over the processes, sampled every
+   0.25 s; the RSS sum beside it over-counts pages that forked workers share), the store's size.
 3. The batch iterator over that store in a fresh process: start-up (open the store, cut the epoch into
    batches of 6,250 tokens, first batch), resident memory, median ms per batch (``next`` + collate), and
    one Transformer-base training step (forward, label-smoothed loss, backward, Adam; 37,000 words) on
@@ -101,9 +102,8 @@ def write_corpus(out: Path, pairs: int, seed: int = 0) -> dict[str, int]:
             de_len = np.clip(np.rint(en_len * rng.uniform(0.85, 1.25, n)), 1, 160).astype(np.int64)
             en = _sentences(rng, vocab["en"], cdf, en_len)
             de = _sentences(rng, vocab["de"], cdf, de_len)
-            table = pa.table(
-                {"translation": pa.array([{"de": d, "en": e} for d, e in zip(de, en, strict=True)])}
-            )
+            pairs_ = pa.StructArray.from_arrays([pa.array(de), pa.array(en)], names=["de", "en"])
+            table = pa.table({"translation": pairs_})
             pq.write_table(table, folder / f"{split}-{k:05d}-of-{shards:05d}.parquet")
     return sizes
 
@@ -111,27 +111,32 @@ def write_corpus(out: Path, pairs: int, seed: int = 0) -> dict[str, int]:
 # --- 2. preparation -----------------------------------------------------------------------------------
 
 
-def _tree_rss(proc: psutil.Process) -> int:
-    total = 0
+def _tree_memory(proc: psutil.Process) -> tuple[int, int]:
+    """(PSS, RSS) summed over a process and its children. PSS splits each shared page among the
+    processes that map it, so its sum is the tree's real footprint; the RSS sum counts the pages that
+    forked workers share with their parent once per process (an over-count, shown beside it)."""
+    pss = rss = 0
     for p in [proc, *proc.children(recursive=True)]:
         with contextlib.suppress(psutil.Error):
-            total += p.memory_info().rss
-    return total
+            info = p.memory_full_info()
+            pss, rss = pss + info.pss, rss + info.rss
+    return pss, rss
 
 
-def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, int, str]:
-    """(wall seconds, peak resident bytes of the process tree, stdout) of one command."""
+def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, int, int, str]:
+    """(wall seconds, peak PSS and peak RSS sum of the process tree in bytes, stdout) of one command."""
     start = time.perf_counter()
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    peak, done = 0, threading.Event()
+    peak_pss = peak_rss = 0
+    done = threading.Event()
     ps = psutil.Process(proc.pid)
 
     def sample() -> None:
-        nonlocal peak
+        nonlocal peak_pss, peak_rss
         while not done.is_set():
-            with contextlib.suppress(psutil.Error):
-                peak = max(peak, _tree_rss(ps))
-            done.wait(0.2)
+            pss, rss = _tree_memory(ps)
+            peak_pss, peak_rss = max(peak_pss, pss), max(peak_rss, rss)
+            done.wait(0.25)
 
     watcher = threading.Thread(target=sample, daemon=True)
     watcher.start()
@@ -141,7 +146,7 @@ def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, int, str]:
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}):\n{out[-3000:]}")
-    return wall, peak, out
+    return wall, peak_pss, peak_rss, out
 
 
 def du(path: Path) -> int:
@@ -171,13 +176,14 @@ def prepare(corpus: Path, work: Path, num_proc: int) -> dict[str, float]:
         PRESET,
         *overrides(corpus, store, num_proc),
     ]
-    wall, peak, out = run_measured(cmd, env)
+    wall, pss, rss, out = run_measured(cmd, env)
     line = next(ln for ln in out.splitlines() if ln.startswith("built "))
     kept = int(line.split(": ")[1].split(" training pairs")[0])
     return {
         "num_proc": num_proc,
         "wall_s": wall,
-        "peak_rss_gib": peak / 2**30,
+        "peak_pss_gib": pss / 2**30,
+        "peak_rss_sum_gib": rss / 2**30,
         "store_gib": du(store) / 2**30,
         "cache_gib": du(cache) / 2**30,
         "kept_pairs": kept,
@@ -273,14 +279,15 @@ def main() -> None:
     results: dict[str, object] = {"pairs": pairs, "prepare": []}
     print(f"\n1. tpe-data prepare --preset {PRESET} data.corpus=parquet, {pairs:,} training pairs")
     print(
-        f"{'num_proc':>8} {'wall s':>8} {'pairs/s':>9} {'peak RSS GiB':>13} {'store GiB':>10} "
-        f"{'HF cache GiB':>13}"
+        f"{'num_proc':>8} {'wall s':>8} {'pairs/s':>9} {'peak PSS GiB':>13} {'(RSS sum)':>10} "
+        f"{'store GiB':>10} {'HF cache GiB':>13}"
     )
     for n in [int(x) for x in args.num_proc.split(",")]:
         r = prepare(corpus, args.out, n)
         results["prepare"].append(r)  # type: ignore[union-attr]
         print(
-            f"{n:>8} {r['wall_s']:>8.0f} {pairs / r['wall_s']:>9.0f} {r['peak_rss_gib']:>13.2f} "
+            f"{n:>8} {r['wall_s']:>8.0f} {pairs / r['wall_s']:>9.0f} {r['peak_pss_gib']:>13.2f} "
+            f"{r['peak_rss_sum_gib']:>10.2f} "
             f"{r['store_gib']:>10.2f} {r['cache_gib']:>13.2f}   {r['summary']}",
             flush=True,
         )
@@ -318,7 +325,7 @@ def main() -> None:
         f"next + collate: {it['ms_per_batch']:.2f} ms per batch; Transformer-base step (37k words, "
         f"2 threads): {it['base_step_ms']:.0f} ms: {100 * share:.3f}% of a step"
     )
-    peak = max(r["peak_rss_gib"] for r in results["prepare"])  # type: ignore[union-attr]
+    peak = max(r["peak_pss_gib"] for r in results["prepare"])  # type: ignore[union-attr]
     print(
         "\ngoals: peak memory <= 3 GB: {}; iterator start-up <= 20 s: {}; iterator <= 2% of a step: "
         "{}".format(

@@ -27,8 +27,8 @@ def token_batches(src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int, see
     order = np.lexsort((rng.random(len(src_len)), tgt_len, src_len))
     batches: list[np.ndarray] = []
     start, max_s, max_t = 0, 0, 0
-    for i, idx in enumerate(order):
-        s, t = int(src_len[idx]), int(tgt_len[idx])
+    # plain ints: indexing numpy arrays element by element costs ~5x more (4.5M pairs: seconds)
+    for i, (s, t) in enumerate(zip(src_len[order].tolist(), tgt_len[order].tolist(), strict=True)):
         ms, mt = max(max_s, s), max(max_t, t)
         if i > start and (ms + mt) * (i - start + 1) > max_tokens:
             batches.append(order[start:i])
@@ -148,4 +148,7 @@ def collate(ds: Dataset, indices: np.ndarray) -> Batch:
 
 
 def length_arrays(ds: Dataset) -> tuple[np.ndarray, np.ndarray]:
-    return np.asarray(ds["src_len"]), np.asarray(ds["tgt_len"])
+    """The source and target lengths as int arrays, read column-wise from Arrow (no Python lists)."""
+    table = ds.with_format("arrow", columns=["src_len", "tgt_len"])[:]  # honours an indices mapping
+    src, tgt = (table.column(c).to_numpy().astype(np.int64) for c in ("src_len", "tgt_len"))
+    return src, tgt

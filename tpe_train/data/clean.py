@@ -56,7 +56,8 @@ def clean(ds: Dataset, spec: CleanSpec, num_proc: int | None = None) -> tuple[Da
         return {"src": src, "tgt": tgt, "drop": [_reason(s, t, spec) for s, t in zip(src, tgt, strict=True)]}
 
     marked = ds.map(normalize, batched=True, num_proc=num_proc)
-    counts = Counter(marked["drop"])
+    reasons = marked.with_format("arrow")["drop"].value_counts()  # counted in Arrow, no Python list
+    counts = Counter({r["values"]: r["counts"] for r in reasons.to_pylist()})
     kept = marked.filter(
         lambda r: [x == "" for x in r], input_columns="drop", batched=True, num_proc=num_proc
     )
