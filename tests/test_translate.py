@@ -224,6 +224,19 @@ def test_splits_and_files_score_as_the_sacrebleu_command(
     figures = json.loads(capsys.readouterr().out)
     assert list(figures["sets"]) == ["test.src"]
     assert figures["bleu"] == pytest.approx(_sacrebleu(ref, EvalFiles(out).hypotheses("test.src")), abs=1e-5)
+    # --limit: the first N pairs of each set, under a name that says so, scored as those files
+    some = EvalFiles(tmp_path / "limited")
+    argv = ["--checkpoint", ckpt, "--split", "test,validation", "--limit", "40", "--json"]
+    assert eval_main([*argv, "--out", str(some.directory)]) == 0
+    limited = json.loads(capsys.readouterr().out)["sets"]
+    assert list(limited) == ["test[:40]", "validation"]  # validation has 20: whole, name unchanged
+    assert limited["test[:40]"]["test_sentences"] == 40 and limited["validation"]["test_sentences"] == 20
+    assert read_lines(some.references("test[:40]")) == read_lines(files.references("test"))[:40]
+    assert limited["test[:40]"]["bleu"] == pytest.approx(
+        _sacrebleu(some.references("test[:40]"), some.hypotheses("test[:40]")), abs=1e-5
+    )
+    assert eval_main(["--checkpoint", ckpt, "--limit", "0"]) == 2
+    assert "--limit must be at least 1" in capsys.readouterr().err
     # a missing split is one message
     assert eval_main(["--checkpoint", ckpt, "--split", "test_2017"]) == 2
     err = capsys.readouterr().err

@@ -12,6 +12,7 @@ significance tests pair runs without decoding again.
     tpe-eval --checkpoint DIR --split test_2016_flickr,test_2017_flickr --json
     tpe-eval --checkpoint DIR --src newstest2014.en --ref newstest2014.de
     tpe-eval --checkpoint A --compare B                        # paired bootstrap, BLEU and chrF
+    tpe-eval --checkpoint DIR --limit 100                      # a quick look: the first 100 pairs
 """
 
 from __future__ import annotations
@@ -344,6 +345,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     parser.add_argument("--beam", type=int, default=None, help="override eval.beam (1: greedy)")
     parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="score only the first N pairs of each set, named SET[:N] (a quick check of a large model on "
+        "a CPU; not comparable with a full set's figures)",
+    )
+    parser.add_argument(
         "--device", default="auto", help="auto (the GPU if torch sees one, else the CPU), cpu, cuda or cuda:N"
     )
     return parser.parse_args(argv)
@@ -357,6 +366,12 @@ def _sets(args: argparse.Namespace, cfg: DataConfig) -> list[TestSet]:
     sets = corpus_sets(cfg, [n.strip() for n in args.split.split(",") if n.strip()]) if args.split else []
     sets += [file_set(src, ref) for src, ref in zip(args.src, args.ref, strict=True)]
     sets = sets or config_sets(cfg)
+    if args.limit is not None:
+        for test in sets:
+            if len(test.pairs) > args.limit:
+                test.name = f"{test.name}[:{args.limit}]"
+            test.pairs, test.long = test.pairs[: args.limit], test.long[: args.limit]
+            test.probe = test.probe[: 2 * (args.limit // 2)]  # minimal pairs stay whole
     names = [s.name for s in sets]
     for i, test in enumerate(sets):  # two files of one name: keep both
         if names.count(test.name) > 1:
@@ -374,6 +389,8 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("--beam must be at least 1")
         if args.samples < 1:
             raise ValueError("--samples must be at least 1")
+        if args.limit is not None and args.limit < 1:
+            raise ValueError("--limit must be at least 1 (sentences of each set)")
         device = device_from_arg(args.device)
         model, cfg, tok = load_export(args.checkpoint)
         other = load_export(args.compare) if args.compare else None
