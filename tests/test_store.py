@@ -61,3 +61,19 @@ def test_tpe_data_prepare_cli(tmp_path: Path) -> None:
     assert first.stdout.startswith("built ") and "300 training pairs" in first.stdout
     second = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert second.stdout.startswith("reused ")
+
+
+def test_store_keeps_16_bit_ids_and_no_training_text(tmp_path: Path) -> None:
+    from tpe_train.data.corpus import token_features
+
+    data = prepare(cfg(tmp_path))
+    train, valid = data.train, data.valid
+    assert set(train.column_names) == {"id", "src_ids", "tgt_ids", "src_len", "tgt_len"}
+    assert train.features["src_ids"].feature.dtype == "uint16" and train.features["src_len"].dtype == "int32"
+    assert {"src", "tgt"} <= set(valid.column_names)  # validation BLEU reads its references
+    # the ids read back are the tokenizer's, EOS included
+    first = train[0]
+    assert first["src_ids"][-1] == 2 and len(first["src_ids"]) == first["src_len"]
+    # a vocabulary past 16 bits keeps 32-bit ids
+    assert token_features(70_000, text=False)["src_ids"].feature.dtype == "int32"
+    assert token_features(65_536, text=False)["src_ids"].feature.dtype == "uint16"

@@ -21,7 +21,7 @@ from tpe_train.data.tokenizer import load_tokenizer, vocab_hash
 if TYPE_CHECKING:
     from tpe_train.config import DataConfig
 
-STORE_VERSION = 1  # bump when the stored columns change
+STORE_VERSION = 2  # bump when the stored columns change (2: uint16/int32 ids, no training text)
 DEFAULT_ROOT = "~/.cache/tpe-train/data"
 
 
