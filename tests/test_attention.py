@@ -134,3 +134,54 @@ def test_flex_training_on_the_cpu_is_a_clear_error() -> None:
     src, tgt = batch()
     with pytest.raises(RuntimeError, match=r"cannot train on the CPU.*model.attention=auto or sdpa"):
         model(src, tgt)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "explicit"])
+@pytest.mark.parametrize("kind", ["t5", "alibi"])
+def test_a_shared_bias_is_folded_once_per_stack_with_the_same_outputs_and_gradients(
+    kind: str, backend: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """T5 and ALiBi (``shared_bias``): the dense mask is built by the first layer of a stack and reused
+    by the others (3 + 3 layers: one bias per stack, not one per layer), in training and in incremental
+    decoding, with the outputs and every gradient (the T5 table's included) of a per-layer build."""
+    models = []
+    for share in (True, False):
+        torch.manual_seed(0)
+        model = tiny_model(kind, attention=backend, encoder_layers=3, decoder_layers=3)
+        for enc in model.modules():
+            if isinstance(enc, PositionEncoding):
+                enc.shared_bias = share  # type: ignore[misc]
+        models.append(model)
+    calls = {"n": 0}
+    real = type(models[0].encoder.pos(0)).attn_bias
+
+    def counting(self: PositionEncoding, *args: torch.Tensor) -> torch.Tensor | None:
+        calls["n"] += 1
+        return real(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(type(models[0].encoder.pos(0)), "attn_bias", counting)
+    src, tgt = batch()
+    outputs, grads, counts = [], [], []
+    for model in models:
+        calls["n"] = 0
+        logits = model(src, tgt)
+        counts.append(calls["n"])
+        logits.square().sum().backward()
+        outputs.append(logits)
+        grads.append({n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+    assert counts == [2, 6]  # encoder + decoder stack, against 3 + 3 layers
+    torch.testing.assert_close(outputs[0], outputs[1], atol=0, rtol=0)
+    assert grads[0].keys() == grads[1].keys()
+    for name in grads[0]:
+        torch.testing.assert_close(grads[0][name], grads[1][name], atol=1e-6, rtol=1e-5, msg=name)
+    if kind == "t5":
+        assert any("table" in n for n in grads[0])  # the position parameters were compared
+    with torch.no_grad():  # incremental decoding: one bias per stack and step, the same outputs
+        decoded = []
+        for model in models:
+            memory, cache = model.encode(src), model.new_cache()
+            calls["n"] = 0
+            decoded.append(torch.cat([model.decode(tgt[:, i : i + 1], memory, cache) for i in range(5)], 1))
+            counts.append(calls["n"])
+    assert counts[2:] == [5, 15]
+    torch.testing.assert_close(decoded[0], decoded[1], atol=1e-6, rtol=1e-5)

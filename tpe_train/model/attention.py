@@ -87,6 +87,7 @@ class Mask:
         self.causal = causal
         self.group = group  # cross-attention in beam search: decoder rows per memory row (the beams)
         self.block: BlockMask | None = None  # flex: built by block_mask on first use, then shared
+        self._dense: tuple[PositionEncoding, Tensor] | None = None  # see dense()
 
     def mask_mod(self, q_len: int, repeat: int = 1) -> MaskMod | None:
         """FlexAttention's mask_mod for ``q_len`` queries (None: every key visible). ``repeat``:
@@ -109,6 +110,22 @@ class Mask:
         # the local, not self.block: inside a compiled decoding step torch 2.13's dynamo read the
         # attribute just set back as None, and flex ran without the padding mask
         return block
+
+    def dense(self, pos: PositionEncoding, bias: Callable[[], Tensor | None]) -> Tensor | None:
+        """The dense additive mask of the sdpa and explicit backends: ``bias()`` (the encoding's logit
+        term) with padding and causality folded in, (B|1, H|1, Lq, Lk).
+
+        For an encoding whose bias depends on the positions only and serves every layer
+        (``pos.shared_bias``: T5, ALiBi) it is built by the first layer and reused by the others, so
+        that the bias, its masking and the backward of both run once per stack instead of once per
+        layer. Not kept inside compiled code (there the compiler fuses the recomputation), nor for
+        beam search's grouped cross-attention."""
+        if self._dense is not None and self._dense[0] is pos:
+            return self._dense[1]
+        mask = _mask(bias(), self.keep, self.causal, self.q_pos, self.k_pos)
+        if pos.shared_bias and mask is not None and self.group == 1 and not torch.compiler.is_compiling():
+            self._dense = (pos, mask)
+        return mask
 
 
 def _mask_mod(keep: Tensor | None, causal: bool, q_pos: Tensor, k_pos: Tensor, repeat: int) -> MaskMod:
@@ -318,15 +335,24 @@ class Attention(nn.Module):
             block = mask.block_mask(q.shape[0], q.shape[2], k.shape[2], repeat)
             out = _flex(q, k, v, pos.score_mod(q, q_pos, k_pos), block)
         else:
-            bias = pos.attn_bias(q, q_pos, k_pos) if pos.has_bias else None
+            # T5/ALiBi: one dense mask per batch and attention kind, shared by the layers (Mask.dense;
+            # its causality is the Mask's: for one decoded query no key lies in its future anyway)
+            shared = pos.shared_bias and repeat == 1 and not beams
+            bias = pos.attn_bias(q, q_pos, k_pos) if pos.has_bias and not shared else None
+
+            def folded() -> Tensor | None:
+                if shared:
+                    return mask.dense(pos, lambda: pos.attn_bias(q, q_pos, k_pos))
+                return _mask(bias, keep, causal, q_pos, k_pos)
+
             if backend == "explicit":
-                out = self._explicit(q, k, v, pos, q_pos, k_pos, _mask(bias, keep, causal, q_pos, k_pos), p)
-            elif bias is None and keep is None and causal and q.shape[2] == k.shape[2]:
+                out = self._explicit(q, k, v, pos, q_pos, k_pos, folded(), p)
+            elif not shared and bias is None and keep is None and causal and q.shape[2] == k.shape[2]:
                 out = _sdpa(q, k, v, None, p, is_causal=True)
-            elif bias is None and not causal:
+            elif not shared and bias is None and not causal:
                 out = _sdpa(q, k, v, keep, p)
             else:
-                dense = _mask(bias, keep, causal, q_pos, k_pos)
+                dense = folded()
                 assert dense is not None
                 out = _sdpa(q, k, v, dense.to(q.dtype), p)
         if beams:

@@ -62,6 +62,10 @@ class PositionEncoding(nn.Module):
     needs_weights: bool = False
     #: whether ``attn_bias`` can return a tensor (lets attention keep the fused causal path otherwise)
     has_bias: ClassVar[bool] = False
+    #: ``attn_bias`` depends on the positions only (not on the values of ``q``) and one module serves every
+    #: layer of a stack (T5, ALiBi): attention folds it into its dense mask once per batch and attention
+    #: kind and shares that mask, and its backward, across the layers
+    shared_bias: ClassVar[bool] = False
     #: how tensor parallelism treats this encoding's tables: "heads" (one column per head, narrowed by
     #: ``keep_heads``), "positions" (an absolute table split along positions) or "replicated"
     tp_split: ClassVar[str] = "replicated"

@@ -98,6 +98,7 @@ class T5Position(PositionEncoding):
     bidirectional in the encoder, causal in the decoder."""
 
     has_bias = True
+    shared_bias = True
     tp_split = "heads"
 
     def __init__(self, args: PositionArgs) -> None:
@@ -150,6 +151,7 @@ class AlibiPosition(PositionEncoding):
     causal mask leaves only j <= i, where it is the original -slope_h * (i - j)."""
 
     has_bias = True
+    shared_bias = True
     tp_split = "heads"
     slopes: Tensor
 
