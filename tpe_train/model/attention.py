@@ -115,15 +115,15 @@ class Mask:
         """The dense additive mask of the sdpa and explicit backends: ``bias()`` (the encoding's logit
         term) with padding and causality folded in, (B|1, H|1, Lq, Lk).
 
-        For an encoding whose bias depends on the positions only and serves every layer
-        (``pos.shared_bias``: T5, ALiBi) it is built by the first layer and reused by the others, so
-        that the bias, its masking and the backward of both run once per stack instead of once per
-        layer. Not kept inside compiled code (there the compiler fuses the recomputation), nor for
-        beam search's grouped cross-attention."""
+        Attention calls it for an encoding whose bias depends on the positions only and serves every
+        layer (``pos.shared_bias``: T5, ALiBi; not for beam search's grouped cross-attention): built
+        by the first layer and reused by the others, so that the bias, its masking and the backward of
+        both run once per stack instead of once per layer. Not kept inside compiled code (there the
+        compiler fuses the recomputation)."""
         if self._dense is not None and self._dense[0] is pos:
             return self._dense[1]
         mask = _mask(bias(), self.keep, self.causal, self.q_pos, self.k_pos)
-        if pos.shared_bias and mask is not None and self.group == 1 and not torch.compiler.is_compiling():
+        if mask is not None and not torch.compiler.is_compiling():
             self._dense = (pos, mask)
         return mask
 
