@@ -44,6 +44,7 @@ def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "word-order probe accuracy" in proc.stdout  # the closing table
+    (out / "stdout.txt").write_text(proc.stdout)
     return out
 
 
@@ -78,6 +79,21 @@ def test_tensorboard_events_read_back(run_dir: Path) -> None:
     assert [e.step for e in events.Scalars("valid/nll")] == [3, 6]
     lrs = [e.value for e in events.Scalars("train/lr")]
     assert lrs == sorted(lrs) and lrs[0] > 0  # still warming up
+
+
+def test_without_a_progress_bar_the_log_gets_a_line_per_log_every_and_validation(run_dir: Path) -> None:
+    events = EventAccumulator(str(run_dir / "tb"))
+    events.Reload()
+    lines = (run_dir / "stdout.txt").read_text().splitlines()
+    train = [line for line in lines if line.startswith("tpe-train: step ") and "| loss " in line]
+    valid = [line for line in lines if line.startswith("tpe-train: step ") and "| valid nll " in line]
+    assert [line.split()[2] for line in train] == ["2/6", "4/6", "6/6"]
+    assert [line.split()[2] for line in valid] == ["3/6", "6/6"]
+    for line, event in zip(train, events.Scalars("train/loss"), strict=True):
+        assert f"| loss {event.value:.3f} |" in line
+        assert "| tok/s " in line and "| mfu " in line and "%" in line
+    for line, event in zip(valid, events.Scalars("valid/nll"), strict=True):
+        assert f"| valid nll {event.value:.3f} |" in line and "| valid bleu " in line
     # model FLOP/s over the GEMM peak measured at start-up: a fraction, never above one
     mfu = [e.value for e in events.Scalars("train/mfu")]
     assert len(mfu) == 3 and all(0 < m <= 1 for m in mfu), mfu

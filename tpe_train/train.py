@@ -164,7 +164,8 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
             print(f"tpe-train: memory {r.line()}")
         run_dir.memory.write_text(json.dumps([r.as_dict() for r in reports], indent=2))
 
-    show = cfg.train.progress and ctx.is_main
+    show = cfg.train.progress and ctx.is_main and sys.stderr.isatty()
+    lines = ctx.is_main and not show  # a log (Slurm, nohup, a pipe) gets a line per log_every instead
     bar = tqdm(total=cfg.train.max_steps, initial=progress.step, disable=not show, dynamic_ncols=True)
     meter = Throughput.of_run(cfg, data.tokenizer.get_vocab_size(), ctx)  # tokens/s, MFU
     stop = selection.exhausted(progress.best, cfg.train.patience)  # a resumed run that stopped early
@@ -188,10 +189,14 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
             }
             _log(writer, scalars, step)
             bar.set_postfix(loss=f"{scalars['train/loss']:.3f}", lr=f"{scalars['train/lr']:.2e}")
+            if lines:
+                print(log_line(step, cfg.train.max_steps, scalars), flush=True)
         save_best = False  # eval.select=best: the best validation's checkpoint is saved at once
         if step % cfg.train.valid_every == 0 or step == cfg.train.max_steps:
             figures = validate(engine, data, cfg, ctx, cast)
             _log(writer, figures, step)
+            if ctx.is_main:
+                tqdm.write(log_line(step, cfg.train.max_steps, figures))
             save_best, stop = selection.observe(progress.best, figures, cfg, step, ctx)
         preempted = ctx.any(signals.received is not None)
         if (
@@ -246,6 +251,26 @@ def _sample_log(cfg: Config, ctx: ParallelContext) -> Any:
     path = RunDir(cfg.run_dir()).samples(ctx.dp_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     return open(path, "a")  # kept open for the whole run
+
+
+_LINE_FIGURES = (  # (scalar, label, format) of a log line, in this order
+    ("train/loss", "loss", "{:.3f}"),
+    ("train/nll", "nll", "{:.3f}"),
+    ("train/lr", "lr", "{:.2e}"),
+    ("train/grad_norm", "gnorm", "{:.2f}"),
+    ("train/tokens_per_s", "tok/s", "{:,.0f}"),
+    ("train/mfu", "mfu", "{:.1%}"),
+    ("valid/nll", "valid nll", "{:.3f}"),
+    ("valid/ppl", "valid ppl", "{:.2f}"),
+    ("valid/bleu", "valid bleu", "{:.2f}"),
+)
+
+
+def log_line(step: int, max_steps: int, scalars: dict[str, float]) -> str:
+    """One line of training or validation figures, e.g. ``tpe-train: step 100/9000 | loss 7.334 | ...``;
+    the figures a scalar dict lacks are left out."""
+    cells = [f"{label} {fmt.format(scalars[key])}" for key, label, fmt in _LINE_FIGURES if key in scalars]
+    return " | ".join([f"tpe-train: step {step}/{max_steps}", *cells])
 
 
 def _log(writer: SummaryWriter | None, scalars: dict[str, float], step: int) -> None:

@@ -318,13 +318,14 @@ class TrainConfig(Section):
     """GEMM peak of one device in the training precision, GFLOP/s, that train/mfu is measured against;
     0: measured at start-up (about a second; the best of PyTorch's, oneDNN's and widened kernels)."""
     log_every: int = Field(10, ge=1)
-    """Steps between TensorBoard scalars."""
+    """Steps between TensorBoard scalars (and log lines when no progress bar is shown)."""
     valid_every: int = Field(500, ge=1)
     """Steps between validations (loss and greedy BLEU); also done at the end."""
     valid_bleu_size: int = Field(200, ge=0)
     """Validation sentences translated (greedy) for BLEU during training; 0: skip."""
     progress: bool = True
-    """Show a progress bar on the terminal."""
+    """Show a progress bar when stderr is a terminal; otherwise, or when false, rank 0 prints a line of
+    figures (loss, lr, tokens/s, MFU) every log_every steps on stdout. Validation lines are always printed."""
     save_every: int = Field(1000, ge=0)
     """Steps between checkpoints in <run_dir>/checkpoints (0: only at the end); also on preemption."""
     keep_last: int = Field(5, ge=1)
