@@ -77,3 +77,47 @@ def test_store_keeps_16_bit_ids_and_no_training_text(tmp_path: Path) -> None:
     # a vocabulary past 16 bits keeps 32-bit ids
     assert token_features(70_000, text=False)["src_ids"].feature.dtype == "int32"
     assert token_features(65_536, text=False)["src_ids"].feature.dtype == "uint16"
+
+
+def _arrow_files(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*.arrow"))}
+
+
+def test_preparing_leaves_no_map_caches_and_keeps_the_corpus_files(tmp_path: Path) -> None:
+    """The maps' and filters' cache files go once the store holds their result; the hub layout's
+    converted Arrow files and a save_to_disk corpus stay byte for byte, and a preparation with other
+    settings still starts from them."""
+    from datasets import Dataset, DatasetDict
+    from test_sources import write_hub_layout
+
+    words = ["the", "a", "cat", "dog", "sees", "chases", "small", "big", "red", "house", "tree", "near"]
+    src = [" ".join(words[(i * k) % 12] for k in range(1, 3 + i % 4)) + " ." for i in range(240)]
+    pairs = [(s, f"d{i % 9} e{i % 5} .") for i, s in enumerate(src)]  # 2-5 source words
+    hub = tmp_path / "hub"
+    for split, part in (("train", pairs), ("validation", pairs[:10]), ("test", pairs[10:20])):
+        write_hub_layout(hub, split, part)
+    cache = tmp_path / "hf-cache"
+    common = ["data.vocab_size=120", f"data.store_dir={tmp_path / 'stores'}", "data.num_proc=2"]
+    hub_cfg = load_config(
+        "demo", [*common, "data.corpus=parquet", f"data.path={hub}", f"data.cache_dir={cache}"]
+    )
+    first = prepare(hub_cfg.data)
+    assert first.built and len(first.train) == 240
+    left = [p.name for p in cache.rglob("cache-*.arrow")]
+    assert left == [], left
+    converted = _arrow_files(cache)
+    assert any("train" in name for name in converted)  # the parquet conversion itself stays
+    other = prepare(load_config("demo", [*common, "data.corpus=parquet", f"data.path={hub}",
+                                         f"data.cache_dir={cache}", "data.max_len=5"]).data)  # fmt: skip
+    assert other.built and other.store != first.store and len(other.train) < 240
+    assert _arrow_files(cache) == converted and not list(cache.rglob("cache-*.arrow"))
+
+    saved = tmp_path / "saved"
+    records = [{"en": en, "de": de} for en, de in pairs]
+    DatasetDict({name: Dataset.from_dict({"translation": records[:n]}) for name, n in
+                 (("train", 240), ("validation", 10), ("test", 10))}).save_to_disk(str(saved))  # fmt: skip
+    before = {str(p.relative_to(saved)): p.read_bytes() for p in sorted(saved.rglob("*")) if p.is_file()}
+    disk = prepare(load_config("demo", [*common, "data.corpus=disk", f"data.path={saved}"]).data)
+    assert disk.built and len(disk.train) == 240
+    after = {str(p.relative_to(saved)): p.read_bytes() for p in sorted(saved.rglob("*")) if p.is_file()}
+    assert after == before  # the user's corpus untouched, and no cache file left beside it

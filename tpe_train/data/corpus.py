@@ -38,6 +38,7 @@ class Splits:
     probe: list[synthetic.Pair] = field(default_factory=list)
     pretokenized: bool = False  # text is already split into words (the synthetic corpus)
     report: list[str] = field(default_factory=list)  # cleaning report lines
+    scratch: set[str] = field(default_factory=set)  # datasets cache files made on the way (see _drop_scratch)
 
 
 def _pairs_dataset(pairs: list[synthetic.Pair]) -> Dataset:
@@ -80,8 +81,8 @@ def corpus_splits(cfg: DataConfig) -> Splits:
     if cfg.corpus == "synthetic":
         return synthetic_splits(cfg)
     spec = cfg.source()
-    train = load_split(spec, cfg.train_split)
-    valid = load_split(spec, cfg.valid_split)
+    train = loaded_train = load_split(spec, cfg.train_split)
+    valid = loaded_valid = load_split(spec, cfg.valid_split)
     test = load_split(spec, cfg.test_split)
     before = len(train)
     train, dropped = clean(train, cfg.cleaning(), num_proc=cfg.num_proc)
@@ -92,8 +93,9 @@ def corpus_splits(cfg: DataConfig) -> Splits:
             f"that data.src_lang / data.tgt_lang name the right sides"
         )
     strip = CleanSpec(normalize="none", min_words=1, max_words=10**9, max_ratio=0.0)
+    scratch = made_files(loaded_train, loaded_valid, test)
     valid, _ = clean(valid, strip)
-    return Splits(train, valid, pairs_of(test), report=report)
+    return Splits(train, valid, pairs_of(test), report=report, scratch=scratch | made_files(train, valid))
 
 
 def test_splits(cfg: DataConfig) -> Splits:
@@ -261,7 +263,7 @@ def _build(cfg: DataConfig, path: Path) -> Prepared:
     splits = corpus_splits(cfg)
     tok = train_tokenizer(_texts(_sample(splits.train, cfg.tokenizer_sample)), cfg.vocab_size, cfg.tokenizer)
     num_proc = cfg.num_proc if cfg.num_proc > 1 else None
-    train = to_dataset(splits.train, tok, num_proc, text=False)
+    train = tokenized = to_dataset(splits.train, tok, num_proc, text=False)
     before = len(train)
     train = train.filter(
         lambda s, t: s <= cfg.max_len and t <= cfg.max_len,
@@ -274,11 +276,30 @@ def _build(cfg: DataConfig, path: Path) -> Prepared:
     valid = to_dataset(splits.valid, tok)
     dropped = before - len(train)
     write_store(path, tok, train, valid, {"dropped_too_long": dropped, "report": splits.report})
+    scratch = splits.scratch | made_files(tokenized, train, valid)
     stored = load_store(path)  # read back memory-mapped, as every later run will
     assert stored is not None
     _, train, valid, _ = stored
-    splits.valid = valid
+    splits.train, splits.valid = _pairs_dataset([]), valid  # nothing reads the training text any more
+    _drop_scratch(scratch)
     return Prepared(splits, tok, train, valid, dropped, path, built=True)
+
+
+def made_files(*datasets: Dataset) -> set[str]:
+    """The ``cache-*.arrow`` files behind these Datasets: what ``datasets`` wrote for a map or a filter
+    (a hub download, a parquet conversion or a save_to_disk directory has other names)."""
+    files = {f["filename"] for ds in datasets for f in ds.cache_files}
+    return {f for f in files if Path(f).name.startswith("cache-") and f.endswith(".arrow")}
+
+
+def _drop_scratch(files: set[str]) -> None:
+    """Delete the cache files this preparation's maps and filters wrote, once the store holds their
+    result (at WMT scale several copies of the corpus: flattened, cleaned, tokenised). Only the files
+    this process's Datasets were backed by; the converted corpus itself stays, so a later preparation
+    with other settings starts from it (and redoes the maps). Not ``Dataset.cleanup_cache_files``:
+    that empties the whole cache directory, including files another preparation is writing."""
+    for name in sorted(files):
+        Path(name).unlink(missing_ok=True)
 
 
 def _sample(train: Dataset, n: int) -> Dataset:
