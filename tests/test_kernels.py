@@ -237,3 +237,25 @@ def test_model_flops_and_a_measured_peak() -> None:
     assert set(peak.kernels) == ({"torch", "onednn"} if kernels._ONEDNN else {"torch"})
     assert all(len(rates) == 2 for rates in peak.samples.values())
     assert peak.gflops() == max(g for row in peak.table().values() for g in row.values()) > 0
+
+
+def test_a_peak_measured_while_the_cores_were_busy_is_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that measured its GEMM peak while another process had the cores (two study runs starting
+    together) would report MFU above one: the meter measures again, and never reports above one."""
+    from tpe_train import perf
+    from tpe_train.data.batching import Batch
+
+    rates = iter([1.0, 2.0])  # GFLOP/s: start-up (busy cores), then the second measurement
+    monkeypatch.setattr(perf.Peak, "gflops", lambda self, statistic=max: next(rates))
+    monkeypatch.setattr(perf.Peak, "sample", lambda self, reps=1: None)
+    args = ModelArgs(vocab_size=100, d_model=32, ffn_dim=64, encoder_layers=1, decoder_layers=1)
+    meter = perf.Throughput(args, torch.float32, torch.device("cpu"))
+    assert meter.peak == 1.0
+    src, tgt = torch.full((8, 10), 5), torch.full((8, 11), 5)
+    batch = Batch(ids=torch.arange(8), src=src, tgt_in=tgt, tgt_out=tgt)
+    meter.step([batch], 80.0)  # about 0.4 GFLOP of model work, read back within a second
+    out = meter.read()
+    assert meter.peak >= 2.0 and 0 < out["train/mfu"] <= 1.0, (meter.peak, out)
+    given = perf.Throughput(args, torch.float32, torch.device("cpu"), peak_gflops=0.001)  # the user's figure
+    given.step([batch], 80.0)
+    assert given.read()["train/mfu"] > 1.0 and given.peak == 0.001  # kept as given, not measured

@@ -79,6 +79,9 @@ def test_tensorboard_events_read_back(run_dir: Path) -> None:
     assert [e.step for e in events.Scalars("valid/nll")] == [3, 6]
     lrs = [e.value for e in events.Scalars("train/lr")]
     assert lrs == sorted(lrs) and lrs[0] > 0  # still warming up
+    # model FLOP/s over the GEMM peak measured at start-up: a fraction, never above one
+    mfu = [e.value for e in events.Scalars("train/mfu")]
+    assert len(mfu) == 3 and all(0 < m <= 1 for m in mfu), mfu
 
 
 def test_without_a_progress_bar_the_log_gets_a_line_per_log_every_and_validation(run_dir: Path) -> None:
@@ -94,9 +97,6 @@ def test_without_a_progress_bar_the_log_gets_a_line_per_log_every_and_validation
         assert "| tok/s " in line and "| mfu " in line and "%" in line
     for line, event in zip(valid, events.Scalars("valid/nll"), strict=True):
         assert f"| valid nll {event.value:.3f} |" in line and "| valid bleu " in line
-    # model FLOP/s over the GEMM peak measured at start-up: a fraction, never above one
-    mfu = [e.value for e in events.Scalars("train/mfu")]
-    assert len(mfu) == 3 and all(0 < m <= 1 for m in mfu), mfu
 
 
 def test_tpe_eval_json(run_dir: Path) -> None:

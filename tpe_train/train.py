@@ -37,6 +37,7 @@ from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report
 from tpe_train.parallel.plan import shard_positions
 from tpe_train.perf import Throughput, configure_cpu
+from tpe_train.scalars import log_line, write_scalars
 from tpe_train.step import inverse_sqrt, seed_everything, train_step, validate
 
 
@@ -187,14 +188,14 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
                 "train/grad_norm": stats["grad_norm"],
                 **meter.read(),
             }
-            _log(writer, scalars, step)
+            write_scalars(writer, scalars, step)
             bar.set_postfix(loss=f"{scalars['train/loss']:.3f}", lr=f"{scalars['train/lr']:.2e}")
             if lines:
                 print(log_line(step, cfg.train.max_steps, scalars), flush=True)
         save_best = False  # eval.select=best: the best validation's checkpoint is saved at once
         if step % cfg.train.valid_every == 0 or step == cfg.train.max_steps:
             figures = validate(engine, data, cfg, ctx, cast)
-            _log(writer, figures, step)
+            write_scalars(writer, figures, step)
             if ctx.is_main:
                 tqdm.write(log_line(step, cfg.train.max_steps, figures))
             save_best, stop = selection.observe(progress.best, figures, cfg, step, ctx)
@@ -235,7 +236,7 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
             metrics.update(result.figures())
             for name in ("bleu", "chrf", "exact_match", "probe_accuracy"):
                 if metrics[name] is not None:
-                    _log(writer, {f"test/{name}": metrics[name]}, progress.step)
+                    write_scalars(writer, {f"test/{name}": metrics[name]}, progress.step)
             EvalFiles(run_dir.path).write(result, metrics)  # eval.json and the hypotheses scored
             print(format_table(metrics))
         assert writer is not None
@@ -251,32 +252,6 @@ def _sample_log(cfg: Config, ctx: ParallelContext) -> Any:
     path = RunDir(cfg.run_dir()).samples(ctx.dp_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     return open(path, "a")  # kept open for the whole run
-
-
-_LINE_FIGURES = (  # (scalar, label, format) of a log line, in this order
-    ("train/loss", "loss", "{:.3f}"),
-    ("train/nll", "nll", "{:.3f}"),
-    ("train/lr", "lr", "{:.2e}"),
-    ("train/grad_norm", "gnorm", "{:.2f}"),
-    ("train/tokens_per_s", "tok/s", "{:,.0f}"),
-    ("train/mfu", "mfu", "{:.1%}"),
-    ("valid/nll", "valid nll", "{:.3f}"),
-    ("valid/ppl", "valid ppl", "{:.2f}"),
-    ("valid/bleu", "valid bleu", "{:.2f}"),
-)
-
-
-def log_line(step: int, max_steps: int, scalars: dict[str, float]) -> str:
-    """One line of training or validation figures, e.g. ``tpe-train: step 100/9000 | loss 7.334 | ...``;
-    the figures a scalar dict lacks are left out."""
-    cells = [f"{label} {fmt.format(scalars[key])}" for key, label, fmt in _LINE_FIGURES if key in scalars]
-    return " | ".join([f"tpe-train: step {step}/{max_steps}", *cells])
-
-
-def _log(writer: SummaryWriter | None, scalars: dict[str, float], step: int) -> None:
-    if writer is not None:
-        for name, value in scalars.items():
-            writer.add_scalar(name, value, step)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
