@@ -11,6 +11,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from tpe_train.study.cli import main
 from tpe_train.study.grid import Setting, Study, parse_seeds, parse_setting, setting_of
 from tpe_train.study.plots import _cosine
 from tpe_train.study.report import write_report
+from tpe_train.study.runner import _Processes
 
 PNG = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("bleu_per_encoding", "bleu_by_length", "probe_accuracy", "position_similarity")
@@ -452,3 +454,29 @@ def test_report_regathers_an_existing_study_without_training(
     assert all("train.seed=3" in line for line in lines if "-m tpe_train.train" in line)
     assert main(["report", str(study_dir / "runs")]) == 2
     assert "is not a study directory" in capsys.readouterr().err
+
+
+def test_a_runs_log_shows_each_line_while_it_runs(tmp_path: Path) -> None:
+    """study.log is what a user tails during an hour-long run: a printed line is in it before the run
+    ends. The child prints, then waits for the test to have seen the line (no timing involved); the
+    line is built at run time, so the command echoed at the top of the log does not contain it."""
+    log, seen = tmp_path / "study.log", tmp_path / "seen"
+    child = (
+        "import os, time\nprint('step %d/5000' % 100, flush=True)\n"
+        f"while not os.path.exists({str(seen)!r}): time.sleep(0.05)"
+    )
+    cmd = [sys.executable, "-c", child]
+    result: list[int] = []
+    thread = threading.Thread(
+        target=lambda: result.append(_Processes().run_logged(cmd, dict(os.environ), log, echo=False))
+    )
+    thread.start()
+    deadline = time.monotonic() + 60
+    try:
+        while "step 100/5000" not in (log.read_text() if log.exists() else ""):
+            assert time.monotonic() < deadline, f"the line never reached the log: {log.read_text()!r}"
+            time.sleep(0.05)
+    finally:
+        seen.touch()
+        thread.join(60)
+    assert result == [0] and log.read_text().rstrip().splitlines()[-1].startswith("# exit 0 at ")

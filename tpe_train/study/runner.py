@@ -200,8 +200,9 @@ class _Processes:
 
     def run_logged(self, cmd: list[str], env: dict[str, str], log: Path, echo: bool) -> int:
         """Run ``cmd`` with its output appended to ``log`` (and shown on the terminal with ``echo``),
-        between a line saying when it started and one saying how it ended."""
-        with open(log, "a") as out:
+        between a line saying when it started and one saying how it ended. Line-buffered: ``tail -f``
+        shows each line of a run as it is printed, not 8 KiB at a time."""
+        with open(log, "a", buffering=1) as out:
             out.write(f"\n# started {_stamp()}\n$ {shlex.join(cmd)}\n")
             out.flush()
             proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env, text=True)
