@@ -32,6 +32,7 @@ from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from tpe_train.model.dropout import dropout
 from tpe_train.model.kernels import Linear, linears
 from tpe_train.positions import PositionEncoding
 from tpe_train.positions.base import ScoreMod
@@ -376,7 +377,7 @@ class Attention(nn.Module):
         scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5  # (B, H, Lq, Lk)
         if mask is not None:
             scores = scores + mask
-        weights = F.dropout(torch.softmax(scores.float(), dim=-1).to(q.dtype), p, self.training)
+        weights = dropout(torch.softmax(scores.float(), dim=-1).to(q.dtype), p, self.training)
         out = torch.matmul(weights, v)
         if pos.needs_weights:
             out = out + pos.value_term(weights, q_pos, k_pos)

@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from tpe_train.model.args import ModelArgs
 from tpe_train.model.attention import Attention, KVCache, Mask
+from tpe_train.model.dropout import dropout
 from tpe_train.model.kernels import Linear, linear
 from tpe_train.positions import POSITIONS, PositionEncoding, build_position
 
@@ -31,7 +32,7 @@ class FeedForward(nn.Module):
         self.dropout = dropout
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.fc_out(F.dropout(F.relu(self.fc_in(x)), self.dropout, self.training))
+        return self.fc_out(dropout(F.relu(self.fc_in(x)), self.dropout, self.training))
 
 
 class Layer(nn.Module):
@@ -53,8 +54,8 @@ class Layer(nn.Module):
 
     def _residual(self, x: Tensor, norm: nn.LayerNorm, fn: Callable[[Tensor], Tensor]) -> Tensor:
         if self.pre_norm:
-            return x + F.dropout(fn(norm(x)), self.dropout, self.training)
-        return norm(x + F.dropout(fn(x), self.dropout, self.training))
+            return x + dropout(fn(norm(x)), self.dropout, self.training)
+        return norm(x + dropout(fn(x), self.dropout, self.training))
 
     def forward(
         self,
@@ -124,7 +125,7 @@ class Stack(nn.Module):
         cache: list[dict[str, KVCache]] | None = None,
     ) -> Tensor:
         """x: (B, L, D) scaled token embeddings at positions ``mask.q_pos`` (L,)."""
-        x = F.dropout(self.pos(0).embed(x, mask.q_pos), self.dropout, self.training)
+        x = dropout(self.pos(0).embed(x, mask.q_pos), self.dropout, self.training)
         if cache is None:  # flex block masks: built here once for all layers, outside compiled code
             first = self.layers[0]
             assert isinstance(first, Layer)
