@@ -480,3 +480,48 @@ def test_a_runs_log_shows_each_line_while_it_runs(tmp_path: Path) -> None:
         seen.touch()
         thread.join(60)
     assert result == [0] and log.read_text().rstrip().splitlines()[-1].startswith("# exit 0 at ")
+
+
+def test_an_archive_holds_the_figures_without_weights_or_machine_paths(
+    study_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tpe-study archive``: what the report needs, portable; the report from the archive is the study's
+    own (heat maps included), and a study run on the archive trains nothing."""
+    monkeypatch.chdir(tmp_path)  # the archive names paths relative to the working directory
+    dest = tmp_path / "docs" / "study"
+    assert main(["archive", str(study_dir), str(dest), "--no-report"]) == 0
+    files = sorted(p.relative_to(dest) for p in dest.rglob("*") if p.is_file())
+    assert [p for p in files if p.suffix == ".safetensors"] == [
+        Path(f"runs/s{seed}/learned/positions.safetensors") for seed in (1, 2)
+    ]
+    assert not any("checkpoint" in p.parts[-2] or p.name == "run.lock" for p in files if len(p.parts) > 1)
+    for path in (dest / p for p in files if p.suffix in (".json", ".yaml", ".log")):
+        text = path.read_text()
+        assert str(tmp_path) not in text and sys.executable not in text, path
+    config = (dest / "runs/s1/learned/config.yaml").read_text()
+    assert f"run_dir: {os.path.relpath(study_dir / 'runs/s1/learned', tmp_path)}\n" in config
+    exported = load_file(str(study_dir / "runs/s1/learned/checkpoint/model.safetensors"))
+    tables = load_file(str(dest / "runs/s1/learned/positions.safetensors"))
+    assert sorted(tables) == ["decoder.positions.0.table.weight", "encoder.positions.0.table.weight"]
+    assert all(torch.equal(t, exported[k]) for k, t in tables.items())
+    # the report of the archive is the study's: the same table, every plot (heat maps from the tables)
+    assert main(["report", str(dest), "--heatmap-positions", "40"]) == 0
+    ours, theirs = (json.loads((d / "report/summary.json").read_text()) for d in (dest, study_dir))
+    assert ours == theirs  # figures, means, deviations and paired tests
+    assert all((dest / "report" / f"{stem}.png").read_bytes().startswith(PNG) for stem in PLOTS)
+    assert "heat map is missing" not in (dest / "report/report.md").read_text()
+    capsys.readouterr()
+    assert main(["run", "--preset", "demo", "--encodings", "sinusoidal,learned", "--seeds", "1,2", "--out",
+                 str(dest), "--no-report", "--average", "2", *TINY]) == 0  # fmt: skip
+    assert capsys.readouterr().out.count("done already") == 4
+    # archiving again adds to the archive; another study's runs (other overrides) are refused
+    assert main(["archive", str(study_dir), str(dest), "--no-report"]) == 0
+    other = tmp_path / "other"
+    Study(other, "demo", ["train.max_steps=3"], ["sinusoidal"], [1]).save()
+    assert main(["archive", str(other), str(dest)]) == 2
+    assert "a study directory holds one preset, overrides" in capsys.readouterr().err
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "todo.txt").write_text("mine\n")
+    assert main(["archive", str(study_dir), str(tmp_path / "notes")]) == 2
+    assert "is not a study archive" in capsys.readouterr().err
+    assert (tmp_path / "notes" / "todo.txt").read_text() == "mine\n"

@@ -5,6 +5,7 @@
     tpe-study run ... --launch configs/accelerate/cpu_ddp.yaml      # each run under accelerate launch
     tpe-study run ... --slurm --slurm-args "--gpus-per-node 8 --time 24:00:00"   # Slurm job arrays
     tpe-study report DIR [--baseline rope]                           # gather again, no training
+    tpe-study archive DIR DEST                  # results without weights, machine paths made relative
 
 Settings: <kind> (none, sinusoidal, learned, shaw, t5, rope, alibi), <kind>-noenc (no position
 information in the encoder only), <kind>-nodec (none in the decoder only). Bad input stops with one
@@ -99,6 +100,31 @@ def report_parser() -> argparse.ArgumentParser:
     return p
 
 
+def archive_parser() -> argparse.ArgumentParser:
+    p = Parser(
+        prog="tpe-study archive",
+        description="Copy the finished runs' figures, test hypotheses, configs, logs and TensorBoard events "
+        "(no weights) with study.json into DEST, this machine's paths made relative, and write DEST's "
+        "report. Adds to an existing archive; tpe-study run --out DEST skips the runs it holds.",
+    )
+    p.add_argument("study_dir")
+    p.add_argument("dest")
+    p.add_argument("--no-report", action="store_true", help="do not write DEST's report")
+    return p
+
+
+def cmd_archive(argv: list[str]) -> int:
+    from tpe_train.study.archive import archive
+    from tpe_train.study.report import write_report
+
+    args = archive_parser().parse_args(argv)
+    study, done = archive(Path(args.study_dir), Path(args.dest))
+    print(f"archived {done} finished runs of {args.study_dir} into {args.dest}")
+    if not args.no_report:
+        print(f"report: {write_report(study)}")
+    return 0
+
+
 def cmd_run(argv: list[str]) -> int:
     from tpe_train.study.runner import run_local, submit_slurm
 
@@ -164,7 +190,7 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "report": cmd_report}
+COMMANDS = {"run": cmd_run, "report": cmd_report, "archive": cmd_archive}
 
 
 def main(argv: list[str] | None = None) -> int:

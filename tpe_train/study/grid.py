@@ -36,6 +36,7 @@ VARIANTS = {"": "positions in encoder and decoder", "noenc": "no positions in th
 STUDY_KEYS = ("model.position.kind", "model.position.encoder", "model.position.decoder", "train.seed",
               "train.run_dir")  # fmt: skip
 MANIFEST = "study.json"
+RUN_LOG = "study.log"  # in each run directory: the run's output, between start and exit stamps
 
 
 class StudyError(ValueError):

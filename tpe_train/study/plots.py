@@ -12,17 +12,12 @@ import math
 from pathlib import Path
 
 import torch
-import yaml
 from matplotlib.axes import Axes
 from matplotlib.figure import Figure
-from safetensors.torch import load_file
 
-from tpe_train.ckpt.export import WEIGHTS
-from tpe_train.ckpt.rundir import CONFIG, RunDir
-from tpe_train.config import validate
 from tpe_train.positions.absolute import sinusoid_table
 from tpe_train.study.grid import Setting, Study
-from tpe_train.study.results import FIGURES, Row, Run, bucket_low, bucket_names, training_cap
+from tpe_train.study.results import FIGURES, Row, Run, bucket_low, bucket_names, run_config, training_cap
 
 
 def _bars(ax: Axes, rows: list[Row], runs: list[Run], key: str, scale: float) -> None:
@@ -108,27 +103,28 @@ def _cosine(table: torch.Tensor) -> torch.Tensor:
 def position_tables(
     study: Study, runs: list[Run], positions: int
 ) -> tuple[list[tuple[str, torch.Tensor]], list[str]]:
-    """(title, similarity) of the sinusoidal table and the learned tables (encoder, decoder), read from
-    the exports of the first seed that has one; notes on what could not be drawn."""
+    """(title, similarity) of the sinusoidal table (at the d_model of a finished run) and the learned
+    tables (encoder, decoder) of the first finished seed whose export (or archived tables) has them;
+    notes on what could not be drawn."""
     panels: list[tuple[str, torch.Tensor]] = []
     notes: list[str] = []
     for kind in ("sinusoidal", "learned"):
         if kind not in study.settings:
             continue
-        found = [
-            r for r in runs if r.setting == Setting(kind) and (RunDir(r.run_dir).export / WEIGHTS).is_file()
-        ]
-        if not found:
-            notes.append(f"no exported `{kind}` checkpoint yet: its position-similarity heat map is missing")
-            continue
-        run = found[0]
-        export = RunDir(run.run_dir).export  # the final export written by tpe-train
-        cfg = validate(yaml.safe_load((export / CONFIG).read_text()))
-        if kind == "sinusoidal":  # computed, never stored: rebuilt from the export's d_model
+        mine = [r for r in runs if r.setting == Setting(kind) and r.metrics is not None]
+        if kind == "sinusoidal":  # computed, never stored: rebuilt from the run's d_model
+            cfg = next((c for c in map(run_config, mine) if c is not None), None)
+            if cfg is None:
+                notes.append("no finished `sinusoidal` run yet: its position-similarity heat map is missing")
+                continue
             table = sinusoid_table(torch.arange(positions), cfg.model.d_model)
             panels.append((f"sinusoidal (d={cfg.model.d_model})", _cosine(table)))
             continue
-        weights = load_file(str(export / WEIGHTS))
+        found = [(r, t) for r, t in ((r, r.learned_tables()) for r in mine) if t is not None]
+        if not found:
+            notes.append(f"no exported `{kind}` checkpoint yet: its position-similarity heat map is missing")
+            continue
+        run, weights = found[0]  # the final export written by tpe-train, or its archived tables
         for side in ("encoder", "decoder"):
             key = f"{side}.positions.0.table.weight"
             if key in weights:

@@ -12,12 +12,15 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from safetensors.torch import load_file
+from torch import Tensor
 
+from tpe_train.ckpt.export import WEIGHTS
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.config import Config, validate
 from tpe_train.evaluate import EvalFiles
 from tpe_train.metrics import PairedResult, paired_bootstrap
-from tpe_train.study.grid import Setting, Study, parse_setting
+from tpe_train.study.grid import RUN_LOG, Setting, Study, parse_setting
 
 #: The headline figures of eval.json: key -> (column, scale for display, unit).
 FIGURES = {
@@ -30,6 +33,15 @@ FIGURES = {
 }
 
 
+#: In an archived run directory (``tpe-study archive``): the learned position tables of its export.
+POSITION_TABLES = "positions.safetensors"
+
+
+def position_tables_of(weights: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The learned absolute position tables among a model's weights (``*.positions.<i>.table.weight``)."""
+    return {k: v for k, v in weights.items() if ".positions." in k and k.endswith(".table.weight")}
+
+
 @dataclass
 class Run:
     """One cell of the grid and its figures (``None``: not there yet, or failed)."""
@@ -40,10 +52,18 @@ class Run:
     eval_path: Path
     metrics: dict[str, Any] | None
 
+    def learned_tables(self) -> dict[str, Tensor] | None:
+        """The learned position tables of the final export, or of the archive's copy; None if neither."""
+        export = RunDir(self.run_dir).export / WEIGHTS
+        if export.is_file():
+            return position_tables_of(load_file(str(export)))
+        archived = self.run_dir / POSITION_TABLES
+        return load_file(str(archived)) if archived.is_file() else None
+
     def wall(self) -> tuple[float, float, float] | None:
         """(seconds its processes ran, first start, last end) as ``<run_dir>/study.log`` recorded them:
         training and evaluation, summed over a resumed run's processes; None without a finished one."""
-        log = self.run_dir / "study.log"
+        log = self.run_dir / RUN_LOG
         stamps = _STAMP.findall(log.read_text(errors="replace")) if log.is_file() else []
         spans, start = [], None
         for kind, unix in stamps:

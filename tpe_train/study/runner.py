@@ -33,7 +33,7 @@ import yaml
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.evaluate import EvalFiles
 from tpe_train.exits import EXIT_PREEMPTED
-from tpe_train.study.grid import Setting, Study, StudyError
+from tpe_train.study.grid import RUN_LOG, Setting, Study, StudyError
 
 if TYPE_CHECKING:
     from launcher.submit import SubmitArgs
@@ -147,7 +147,7 @@ def _train_and_evaluate(
     trained = EvalFiles(run_dir).figures  # written by training's final evaluation
     if not trained.is_file():
         run_dir.mkdir(parents=True, exist_ok=True)
-        log = run_dir / "study.log"
+        log = run_dir / RUN_LOG
         say(f"{label}: training in {run_dir} (log: {log})")
         start = time.perf_counter()
         code = runs.run_logged(study.train_command(setting, seed, extra), env, log, echo)

@@ -1,0 +1,98 @@
+"""``tpe-study archive``: a study's results without its weights, portable to another machine.
+
+What the report needs of each finished run -- its figures and test hypotheses, resolved config, the
+run's log (wall time), TensorBoard events and the learned position tables of its export (for the
+similarity heat maps, ``positions.safetensors``) -- is copied into another directory, with
+``study.json``; checkpoints and exports stay behind (tens of MB a run). ``tpe-study report`` works on
+the copy, and ``tpe-study run --out COPY`` skips the runs it holds, so a study too long for one
+machine's session goes on elsewhere from the archive (copy it back with ``tpe-study archive ARCHIVE
+STUDY_DIR``).
+
+Text files are written with the machine's paths made portable: this Python as ``python``, paths under
+the working directory relative to it (``runs/...``, ``../shared/...``: its parent too), the home
+directory as ``~``. Into an existing archive the runs are added (a run archived again replaces its
+copy) and the manifests merged; archives of different presets or overrides are refused.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from tpe_train.ckpt.rundir import RunDir
+from tpe_train.evaluate import EvalFiles
+from tpe_train.study.grid import MANIFEST, RUN_LOG, Study, StudyError
+from tpe_train.study.results import POSITION_TABLES, gather
+
+TEXT = (".json", ".yaml", ".log")  # rewritten with portable paths; the rest (hypotheses, events) copied
+
+
+def portable(text: str, cwd: Path | None = None) -> str:
+    """``text`` with this machine's paths replaced (see the module docstring)."""
+    cwd = (cwd or Path.cwd()).resolve()
+    swaps = [(sys.executable, "python"), (f"{cwd}/", ""), (str(cwd), ".")]
+    if cwd.parent != cwd:
+        swaps += [(f"{cwd.parent}/", "../")]
+    swaps += [(f"{Path.home()}/", "~/")]
+    for old, new in swaps:
+        text = text.replace(old, new)
+    return text
+
+
+def _copy(src: Path, dst: Path) -> None:
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    if src.suffix in TEXT:
+        tmp = dst.with_name(dst.name + ".tmp")
+        tmp.write_text(portable(src.read_text()))
+        tmp.replace(dst)
+    else:
+        shutil.copyfile(src, dst)
+
+
+def run_files(study: Study) -> list[Path]:
+    """Every file of the finished runs that the report reads (paths under ``study.root``)."""
+    files: list[Path] = []
+    for run in gather(study):
+        if run.metrics is None:
+            continue
+        evals, rundir = EvalFiles(run.eval_path.parent), RunDir(run.run_dir)
+        hypotheses = evals.directory / evals.HYPOTHESES
+        files += [evals.figures, *sorted(p for p in hypotheses.glob("*") if p.is_file())]
+        files += [p for p in (rundir.config, run.run_dir / RUN_LOG) if p.is_file()]
+        files += sorted(p for p in rundir.tensorboard.glob("**/*") if p.is_file())
+    return files
+
+
+def archive(source: Path, dest: Path) -> tuple[Study, int]:
+    """Copy ``source``'s finished runs into ``dest``; (the archive's study, runs copied)."""
+    study = Study.load(source)
+    if dest.resolve() == source.resolve():
+        raise StudyError(f"archive {source} into another directory, not into itself")
+    if dest.exists() and not (dest / MANIFEST).is_file() and any(dest.iterdir()):
+        raise StudyError(
+            f"{dest} exists and is not a study archive ({MANIFEST} missing); pass an empty or new directory"
+        )
+    target = replace(
+        study,
+        root=dest,
+        preset=portable(study.preset),
+        overrides=[portable(o) for o in study.overrides],
+        settings=list(study.settings),
+        seeds=list(study.seeds),
+        launch=portable(study.launch) if study.launch else None,
+    )
+    if (dest / MANIFEST).is_file():
+        target = Study.load(dest).merge(target)  # refuses another preset, overrides, launch or averaging
+    for path in run_files(study):
+        _copy(path, dest / path.relative_to(study.root))
+    done = [run for run in gather(study) if run.metrics is not None]
+    for run in done:  # the learned tables of the export (KBs), for the position-similarity heat maps
+        tables = run.learned_tables()
+        if tables:
+            save_file(tables, str(dest / run.run_dir.relative_to(study.root) / POSITION_TABLES))
+    target.save()
+    return target, len(done)
