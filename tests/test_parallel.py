@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import copy
 import json
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -206,3 +208,37 @@ def test_every_encoding_declares_how_tensor_parallelism_treats_it() -> None:
     for name in POSITIONS.names():
         assert POSITIONS.get(name).tp_split in ("heads", "positions", "replicated"), name
     assert issubclass(POSITIONS.get("t5"), PositionEncoding)
+
+
+RANK_EXIT = """
+import atexit, os
+import torch.distributed as dist
+from tpe_train.parallel.context import ParallelContext
+# registered first, so it runs last (atexit is LIFO): after whatever from_env registered
+def report():
+    line = f"rank {os.environ['RANK']} group alive at exit: {dist.is_initialized()}\\n"
+    os.write(1, line.encode())  # one write: the two ranks share the pipe
+atexit.register(report)
+ctx = ParallelContext.from_env()
+t = __import__("torch").ones(1)
+dist.all_reduce(t)
+assert t.item() == ctx.world_size
+"""
+
+
+def test_a_launched_rank_destroys_its_process_group_before_the_interpreter_ends(tmp_path: Path) -> None:
+    """gloo threads alive at interpreter finalization can abort the process (SIGABRT, seen once on a
+    rank of the 4-process test): every rank that joined a group leaves it at exit. Real torchrun,
+    2 gloo processes."""
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_EXIT)
+    with socket.socket() as sock:  # a free port for the rendezvous
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+           "--master_addr", "127.0.0.1", "--master_port", str(port), str(script)]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    lines = sorted(line for line in proc.stdout.splitlines() if "group alive at exit" in line)
+    assert lines == [f"rank {r} group alive at exit: False" for r in (0, 1)], proc.stdout[-2000:]
