@@ -504,10 +504,21 @@ def test_an_archive_holds_the_figures_without_weights_or_machine_paths(
     tables = load_file(str(dest / "runs/s1/learned/positions.safetensors"))
     assert sorted(tables) == ["decoder.positions.0.table.weight", "encoder.positions.0.table.weight"]
     assert all(torch.equal(t, exported[k]) for k, t in tables.items())
-    # the report of the archive is the study's: the same table, every plot (heat maps from the tables)
+    assert not any(p.suffix == ".ref" for p in files)  # the test set stays in the corpus
+    # the report of the archive is the study's: the same table, every plot (heat maps from the tables);
+    # its paired tests need one run's references of each pair, which an archive alone does not have
     assert main(["report", str(dest), "--heatmap-positions", "40"]) == 0
     ours, theirs = (json.loads((d / "report/summary.json").read_text()) for d in (dest, study_dir))
-    assert ours == theirs  # figures, means, deviations and paired tests
+    figures = [{k: {**v, "paired": None} for k, v in d["settings"].items()} for d in (ours, theirs)]
+    assert figures[0] == figures[1]  # figures, means and deviations
+    assert ours["settings"]["learned"]["paired"]["seeds_without_hypotheses"] == [1, 2]
+    # one run of each pair with its references (e.g. trained after a restore): the tests are back
+    for seed in (1, 2):
+        ref = study_dir / f"runs/s{seed}/sinusoidal/averaged-last2/hypotheses"
+        for path in ref.glob("*.ref"):
+            (dest / path.relative_to(study_dir)).write_bytes(path.read_bytes())
+    assert main(["report", str(dest), "--heatmap-positions", "40"]) == 0
+    assert json.loads((dest / "report/summary.json").read_text()) == theirs
     assert all((dest / "report" / f"{stem}.png").read_bytes().startswith(PNG) for stem in PLOTS)
     assert "heat map is missing" not in (dest / "report/report.md").read_text()
     capsys.readouterr()

@@ -1,10 +1,13 @@
 """``tpe-study archive``: a study's results without its weights, portable to another machine.
 
-What the report needs of each finished run -- its figures and test hypotheses, resolved config, the
+What the report needs of each finished run -- its figures and test hypotheses (not the references: they
+are the corpus's test set, which stays where it came from), resolved config, the
 run's log (wall time), TensorBoard events and the learned position tables of its export (for the
 similarity heat maps, ``positions.safetensors``) -- is copied into another directory, with
 ``study.json``; checkpoints and exports stay behind (tens of MB a run). ``tpe-study report`` works on
-the copy, and ``tpe-study run --out COPY`` skips the runs it holds, so a study too long for one
+the copy (its paired tests need the references of one run of each pair: a run trained after the
+archive was restored, or the study's own report, which ``tpe-study archive`` copies), and
+``tpe-study run --out COPY`` skips the runs it holds, so a study too long for one
 machine's session goes on elsewhere from the archive (copy it back with ``tpe-study archive ARCHIVE
 STUDY_DIR``).
 
@@ -61,14 +64,16 @@ def run_files(study: Study) -> list[Path]:
             continue
         evals, rundir = EvalFiles(run.eval_path.parent), RunDir(run.run_dir)
         hypotheses = evals.directory / evals.HYPOTHESES
-        files += [evals.figures, *sorted(p for p in hypotheses.glob("*") if p.is_file())]
+        kept = (p for p in hypotheses.glob("*") if p.is_file() and p.suffix != ".ref")  # no test set
+        files += [evals.figures, *sorted(kept)]
         files += [p for p in (rundir.config, run.run_dir / RUN_LOG) if p.is_file()]
         files += sorted(p for p in rundir.tensorboard.glob("**/*") if p.is_file())
     return files
 
 
-def archive(source: Path, dest: Path) -> tuple[Study, int]:
-    """Copy ``source``'s finished runs into ``dest``; (the archive's study, runs copied)."""
+def archive(source: Path, dest: Path, report: bool = False) -> tuple[Study, int]:
+    """Copy ``source``'s finished runs (and with ``report`` its report directory) into ``dest``;
+    (the archive's study, runs copied)."""
     study = Study.load(source)
     if dest.resolve() == source.resolve():
         raise StudyError(f"archive {source} into another directory, not into itself")
@@ -94,5 +99,8 @@ def archive(source: Path, dest: Path) -> tuple[Study, int]:
         tables = run.learned_tables()
         if tables:
             save_file(tables, str(dest / run.run_dir.relative_to(study.root) / POSITION_TABLES))
+    if report:
+        for path in sorted(p for p in study.report_dir.glob("**/*") if p.is_file()):
+            _copy(path, target.report_dir / path.relative_to(study.report_dir))
     target.save()
     return target, len(done)

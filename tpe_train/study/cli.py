@@ -104,12 +104,13 @@ def archive_parser() -> argparse.ArgumentParser:
     p = Parser(
         prog="tpe-study archive",
         description="Copy the finished runs' figures, test hypotheses, configs, logs and TensorBoard events "
-        "(no weights) with study.json into DEST, this machine's paths made relative, and write DEST's "
-        "report. Adds to an existing archive; tpe-study run --out DEST skips the runs it holds.",
+        "(no weights, no test references) with study.json into DEST, this machine's paths made relative, "
+        "with the study's report. Adds to an existing archive; tpe-study run --out DEST skips the runs it "
+        "holds.",
     )
     p.add_argument("study_dir")
     p.add_argument("dest")
-    p.add_argument("--no-report", action="store_true", help="do not write DEST's report")
+    p.add_argument("--no-report", action="store_true", help="do not write and copy the report")
     return p
 
 
@@ -118,10 +119,11 @@ def cmd_archive(argv: list[str]) -> int:
     from tpe_train.study.report import write_report
 
     args = archive_parser().parse_args(argv)
-    study, done = archive(Path(args.study_dir), Path(args.dest))
-    print(f"archived {done} finished runs of {args.study_dir} into {args.dest}")
-    if not args.no_report:
-        print(f"report: {write_report(study)}")
+    source = Study.load(Path(args.study_dir))
+    if not args.no_report:  # from the study, whose runs kept the references the paired tests need
+        print(f"report: {write_report(source)}")
+    study, done = archive(source.root, Path(args.dest), report=not args.no_report)
+    print(f"archived {done} finished runs of {args.study_dir} into {study.root}")
     return 0
 
 

@@ -18,6 +18,7 @@ from torch import Tensor
 from tpe_train.ckpt.export import WEIGHTS
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.config import Config, validate
+from tpe_train.decoding import read_lines
 from tpe_train.evaluate import EvalFiles
 from tpe_train.metrics import PairedResult, paired_bootstrap
 from tpe_train.study.grid import RUN_LOG, Setting, Study, parse_setting
@@ -205,15 +206,22 @@ class SettingTests:
         }
 
 
-def kept_hypotheses(run: Run) -> tuple[list[str], list[str]] | None:
-    """(hypotheses, references) of the run's test set as its evaluation kept them, or None."""
+def kept_hypotheses(run: Run) -> tuple[list[str], list[str] | None] | None:
+    """(hypotheses, references) of the run's test set as its evaluation kept them, or None. The
+    references are None where they were not kept (an archive leaves the test set out)."""
     if run.metrics is None:
         return None
     name = run.metrics.get("test_set")
     if name is None:  # evaluated before the set was named: the config's test split
         cfg = run_config(run)
         name = cfg.data.test_split if cfg is not None else None
-    return EvalFiles(run.eval_path.parent).read_set(name) if name is not None else None
+    if name is None:
+        return None
+    files = EvalFiles(run.eval_path.parent)
+    hyp, ref = files.hypotheses(name), files.references(name)
+    if not hyp.is_file():
+        return None
+    return read_lines(hyp), (read_lines(ref) if ref.is_file() else None)
 
 
 def significance(study: Study, runs: list[Run], samples: int = 1000) -> list[SettingTests]:
@@ -232,11 +240,14 @@ def significance(study: Study, runs: list[Run], samples: int = 1000) -> list[Set
             if mine is None or theirs is None or mine.metrics is None or theirs.metrics is None:
                 continue  # not run yet: listed as missing elsewhere
             a, b = kept_hypotheses(mine), kept_hypotheses(theirs)
-            if a is None or b is None or a[1] != b[1]:  # no hypotheses, or not the same references
+            refs = (a[1] or b[1]) if a is not None and b is not None else None  # one side's will do
+            if (
+                a is None or b is None or refs is None or (None not in (a[1], b[1]) and a[1] != b[1])
+            ) or not len(a[0]) == len(b[0]) == len(refs):  # no hypotheses, or not the same references
                 result.missing.append(seed)
                 continue
-            result.per_seed[seed] = paired_bootstrap(a[0], b[0], a[1], samples)
-            for part, lines in zip(pooled, (a[0], b[0], a[1]), strict=True):
+            result.per_seed[seed] = paired_bootstrap(a[0], b[0], refs, samples)
+            for part, lines in zip(pooled, (a[0], b[0], refs), strict=True):
                 part.extend(lines)
         if len(result.per_seed) > 1:
             result.pooled = paired_bootstrap(*pooled, samples)
