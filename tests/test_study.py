@@ -525,8 +525,9 @@ def test_an_archive_holds_the_figures_without_weights_or_machine_paths(
     assert main(["run", "--preset", "demo", "--encodings", "sinusoidal,learned", "--seeds", "1,2", "--out",
                  str(dest), "--no-report", "--average", "2", *TINY]) == 0  # fmt: skip
     assert capsys.readouterr().out.count("done already") == 4
-    # archiving again adds to the archive; another study's runs (other overrides) are refused
-    assert main(["archive", str(study_dir), str(dest), "--no-report"]) == 0
+    # archiving again adds to the archive and replaces its report; another study's runs are refused
+    assert main(["archive", str(study_dir), str(dest)]) == 0
+    assert len(list((dest / "report" / "tb").glob("events.out.tfevents.*"))) == 1
     other = tmp_path / "other"
     Study(other, "demo", ["train.max_steps=3"], ["sinusoidal"], [1]).save()
     assert main(["archive", str(other), str(dest)]) == 2

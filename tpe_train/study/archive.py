@@ -29,7 +29,7 @@ from safetensors.torch import save_file
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.evaluate import EvalFiles
 from tpe_train.study.grid import MANIFEST, RUN_LOG, Study, StudyError
-from tpe_train.study.results import POSITION_TABLES, gather
+from tpe_train.study.results import POSITION_TABLES, Run, gather
 
 TEXT = (".json", ".yaml", ".log")  # rewritten with portable paths; the rest (hypotheses, events) copied
 
@@ -56,12 +56,10 @@ def _copy(src: Path, dst: Path) -> None:
         shutil.copyfile(src, dst)
 
 
-def run_files(study: Study) -> list[Path]:
-    """Every file of the finished runs that the report reads (paths under ``study.root``)."""
+def run_files(runs: list[Run]) -> list[Path]:
+    """Every file of these finished runs that the report reads."""
     files: list[Path] = []
-    for run in gather(study):
-        if run.metrics is None:
-            continue
+    for run in runs:
         evals, rundir = EvalFiles(run.eval_path.parent), RunDir(run.run_dir)
         hypotheses = evals.directory / evals.HYPOTHESES
         kept = (p for p in hypotheses.glob("*") if p.is_file() and p.suffix != ".ref")  # no test set
@@ -92,14 +90,15 @@ def archive(source: Path, dest: Path, report: bool = False) -> tuple[Study, int]
     )
     if (dest / MANIFEST).is_file():
         target = Study.load(dest).merge(target)  # refuses another preset, overrides, launch or averaging
-    for path in run_files(study):
-        _copy(path, dest / path.relative_to(study.root))
     done = [run for run in gather(study) if run.metrics is not None]
+    for path in run_files(done):
+        _copy(path, dest / path.relative_to(study.root))
     for run in done:  # the learned tables of the export (KBs), for the position-similarity heat maps
         tables = run.learned_tables()
         if tables:
             save_file(tables, str(dest / run.run_dir.relative_to(study.root) / POSITION_TABLES))
-    if report:
+    if report:  # replaced whole: an older report's TensorBoard file would show beside the new one
+        shutil.rmtree(target.report_dir, ignore_errors=True)
         for path in sorted(p for p in study.report_dir.glob("**/*") if p.is_file()):
             _copy(path, target.report_dir / path.relative_to(study.report_dir))
     target.save()
