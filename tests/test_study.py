@@ -31,7 +31,7 @@ from tpe_train.metrics import (
     tokenized_bleu,
 )
 from tpe_train.study.cli import main
-from tpe_train.study.grid import Setting, Study, parse_seeds, parse_setting, setting_of
+from tpe_train.study.grid import Setting, Study, StudyError, parse_seeds, parse_setting, setting_of
 from tpe_train.study.plots import _cosine
 from tpe_train.study.report import write_report
 from tpe_train.study.runner import _Processes
@@ -170,6 +170,45 @@ def test_slurm_submission_is_one_array_per_seed_and_variant(
     averaged = out.resolve() / "runs/s1/rope/averaged-last5"  # its figures and test hypotheses
     assert f"tpe-eval --checkpoint {averaged} --json --out {averaged}" in text
     assert not out.exists()  # a dry run writes nothing
+
+
+def test_a_second_seed_of_some_settings_adds_only_those_runs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Running a study again with other --encodings/--seeds adds exactly their runs: seed 2 of two
+    settings is two runs, not seed 2 of every setting; naming the rest later makes the grid whole."""
+    root = tmp_path / "study"
+    Study(root, "demo", settings=["sinusoidal", "none", "rope"], seeds=[1]).save()
+    for name in ("sinusoidal", "none", "rope"):  # seed 1 is done
+        path = Study.load(root).eval_path(parse_setting(name), 1)
+        path.parent.mkdir(parents=True)
+        path.write_text(json.dumps(_figures(10.0, {"1-10": 10.0})))
+    argv = ["run", "--preset", "demo", "--encodings", "rope,sinusoidal", "--seeds", "2", "--out", str(root)]
+    assert main([*argv, "--dry-run"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert sum("done already" in line for line in lines) == 3
+    commands = [line for line in lines if "-m tpe_train.train" in line]
+    assert len(commands) == 2 and all("train.seed=2" in line for line in commands)
+    assert sorted(re.findall(r"model\.position\.kind=(\w+)", " ".join(commands))) == ["rope", "sinusoidal"]
+    study = Study.load(root).merge(Study(root, "demo", settings=["rope", "sinusoidal"], seeds=[2]))
+    study.save()
+    again = Study.load(root)
+    assert [(s.name, seed) for s, seed in again.grid()] == [
+        ("sinusoidal", 1), ("none", 1), ("rope", 1), ("sinusoidal", 2), ("rope", 2)]  # fmt: skip
+    assert again.describe_grid() == "3 settings, 5 runs (seed 1: all; seed 2: sinusoidal, rope)"
+    report = write_report(again).read_text()
+    assert "3 settings, 5 runs (seed 1: all; seed 2: sinusoidal, rope); 3 of 5 runs have figures" in report
+    assert "| `rope` | 2 | missing |" in report and "| `none` | 2 |" not in report  # the list of runs
+    # the missing run named later: the whole grid again, stored as settings x seeds
+    whole = again.merge(Study(root, "demo", settings=["none"], seeds=[2]))
+    assert whole.cells is None and len(whole.grid()) == 6
+    assert whole.describe_grid() == "3 settings x 2 seeds (1, 2)"
+    # a manifest whose runs name a setting it does not have is refused, with what to do
+    data = json.loads((root / "study.json").read_text())
+    data["cells"].append(["alibi", 1])
+    (root / "study.json").write_text(json.dumps(data))
+    with pytest.raises(StudyError, match="is not \\[setting, seed\\]"):
+        Study.load(root)
 
 
 # ---------------------------------------------------------------------------------------------------

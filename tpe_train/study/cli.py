@@ -46,7 +46,12 @@ def run_parser() -> argparse.ArgumentParser:
         default=",".join(ENCODINGS),
         help="comma-separated settings: <kind>, <kind>-noenc, <kind>-nodec (default: the seven kinds)",
     )
-    p.add_argument("--seeds", default="1,2,3", help="seeds, e.g. 1,2,3 or 1-3 (default 1,2,3)")
+    p.add_argument(
+        "--seeds",
+        default="1,2,3",
+        help="seeds, e.g. 1,2,3 or 1-3 (default 1,2,3); on an existing --out, the runs of these --encodings "
+        "x --seeds are added to the study's (seed 2 of two settings: two more runs)",
+    )
     p.add_argument("--out", default=None, help="study directory (default runs/study-<preset>)")
     p.add_argument(
         "--launch", default=None, help="accelerate launch file for every run (configs/accelerate/)"

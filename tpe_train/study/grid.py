@@ -9,7 +9,10 @@ A *setting* is what one column of the study changes about position information:
 - ``<kind>-nodec``: no position information in the decoder only; the encoder keeps ``<kind>``
   (``model.position.decoder=false``).
 
-A study directory holds ``study.json`` (preset, overrides, settings, seeds, how it was launched),
+A study's grid is every setting x every seed, or part of it: running the study again with other
+``--encodings``/``--seeds`` adds exactly those runs (a second seed of two settings is two runs, not a
+second seed of all seven). A study directory holds ``study.json`` (preset, overrides, settings, seeds,
+the runs when they are not the whole grid, how it was launched),
 ``runs/s<seed>[-noenc|-nodec]/<kind>/`` (one tpe-train run directory each; the same layout as
 ``tpe-launch``'s position sweep, whose run directories are ``<sweep root>/<kind>``) and ``report/``.
 """
@@ -124,6 +127,7 @@ class Study:
     average: int = 0  # average the last N checkpoints and evaluate that (0: the final export)
     baseline: str | None = None  # the setting paired tests compare against (None: see baseline_setting)
     slurm_jobs: list[dict[str, Any]] = field(default_factory=list)  # what was submitted, for the record
+    cells: list[list[Any]] | None = None  # [setting, seed] of each run when not every setting x seed
 
     def __post_init__(self) -> None:
         self.root = Path(self.root)
@@ -139,6 +143,13 @@ class Study:
             )
         for name in self.settings:
             parse_setting(name)
+        for cell in self.cells or []:
+            if len(cell) != 2 or cell[0] not in self.settings or cell[1] not in self.seeds:
+                raise StudyError(
+                    f"study run {cell!r} is not [setting, seed] of the study's settings "
+                    f"({', '.join(self.settings)}) and seeds ({', '.join(map(str, self.seeds))}); restore "
+                    "study.json or start a new study"
+                )
         if self.baseline is not None and self.baseline not in self.settings:
             raise StudyError(
                 f"--baseline {self.baseline} is not a setting of the study ({', '.join(self.settings)}); "
@@ -156,7 +167,26 @@ class Study:
     # -- layout -------------------------------------------------------------------------------------
     def grid(self) -> list[tuple[Setting, int]]:
         """Every run, seed by seed (a study stopped early has whole seeds first)."""
-        return [(parse_setting(name), seed) for seed in self.seeds for name in self.settings]
+        cells = None if self.cells is None else {(name, seed) for name, seed in self.cells}
+        return [
+            (parse_setting(name), seed)
+            for seed in self.seeds
+            for name in self.settings
+            if cells is None or (name, seed) in cells
+        ]
+
+    def describe_grid(self) -> str:
+        """``7 settings x 2 seeds (1, 2)``, or for part of the grid which settings each seed has."""
+        count = f"{len(self.settings)} setting{'s' if len(self.settings) != 1 else ''}"
+        if self.cells is None:
+            seeds = f"{len(self.seeds)} seed{'s' if len(self.seeds) != 1 else ''}"
+            return f"{count} x {seeds} ({', '.join(map(str, self.seeds))})"
+        grid = self.grid()
+        per_seed = []
+        for seed in self.seeds:
+            names = [s.name for s, s_seed in grid if s_seed == seed]
+            per_seed.append(f"seed {seed}: {'all' if len(names) == len(self.settings) else ', '.join(names)}")
+        return f"{count}, {len(grid)} runs ({'; '.join(per_seed)})"
 
     def sweep_root(self, setting: Setting, seed: int) -> Path:
         """The parent of this seed's (and variant's) run directories: one ``tpe-launch`` sweep root."""
@@ -233,7 +263,7 @@ class Study:
             ) from None
 
     def merge(self, other: Study) -> Study:
-        """This (existing) study extended by ``other``'s settings and seeds; the rest must agree."""
+        """This (existing) study extended by ``other``'s runs (its settings x seeds); the rest must agree."""
         for key in ("preset", "overrides", "average", "launch"):
             if getattr(self, key) != getattr(other, key):
                 raise StudyError(
@@ -241,7 +271,11 @@ class Study:
                     "a study directory holds one preset, overrides, launch file and averaging: choose a "
                     "new --out"
                 )
+        cells = {(s.name, seed) for study in (self, other) for s, seed in study.grid()}
         self.settings += [s for s in other.settings if s not in self.settings]
         self.seeds += [s for s in other.seeds if s not in self.seeds]
+        whole = len(cells) == len(self.settings) * len(self.seeds)
+        self.cells = None if whole else [[name, seed] for seed in self.seeds for name in self.settings
+                                         if (name, seed) in cells]  # fmt: skip
         self.baseline = other.baseline if other.baseline is not None else self.baseline
         return self

@@ -76,8 +76,7 @@ def markdown(
     lines = [
         f"# Position-encoding study: preset `{study.preset}`",
         "",
-        f"{_count(len(study.settings), 'setting')} x {_count(len(study.seeds), 'seed')} "
-        f"({', '.join(map(str, study.seeds))}); "
+        f"{study.describe_grid()}; "
         f"{len(done)} of {len(runs)} runs have figures. Overrides: "
         + (" ".join(f"`{o}`" for o in study.overrides) or "none")
         + ".",
