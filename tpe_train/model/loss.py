@@ -13,14 +13,28 @@ bf16 logits this took 240 ms for forward + backward against 410 ms for the widen
 fp32 logits keep the one-buffer path, which was as fast. The chunks are a CPU measure: on a GPU each
 chunk is a dozen small kernel launches, and a training step of the benchmark's shape in bf16 took 4x
 as long as in fp32 on an H200. GPU logits of any dtype take the one-buffer path.
+
+Both paths take log-probabilities from ``log_softmax``'s fused kernel and the softmax from them as
+``exp2(log p * log2(e))`` on the CPU: PyTorch's CPU ``exp`` was 2.5-4x slower than ``mul`` + ``exp2`` on
+a 32 x 8,000 fp32 chunk (158 against 59 us, one thread, AVX-512), and ``logsumexp`` (max, subtract,
+exp, sum and log as separate ops) 4x slower than ``log_softmax``. The product rounds the exponent
+relatively by 2^-24, an error of at most |log p| * 6e-8 relative in p: below 3e-8 absolute.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
 from torch import Tensor
+
+LOG2E = math.log2(math.e)
+
+
+def _softmax_(lprobs: Tensor) -> Tensor:
+    """exp of log-probabilities in place: ``exp2(x * log2(e))`` on the CPU (see above), ``exp`` elsewhere."""
+    return lprobs.mul_(LOG2E).exp2_() if lprobs.device.type == "cpu" else lprobs.exp_()
 
 
 class _SmoothedCE(torch.autograd.Function):
@@ -41,7 +55,7 @@ class _SmoothedCE(torch.autograd.Function):
     def backward(ctx: Any, grad_loss: Tensor, grad_nll: Tensor) -> tuple[Tensor | None, ...]:
         lprobs, target, nonpad = ctx.saved_tensors
         eps = ctx.epsilon
-        grad = lprobs.exp_()  # softmax, in the saved buffer (it is not needed again)
+        grad = _softmax_(lprobs)  # in the saved buffer (it is not needed again)
         grad.sub_(eps / grad.shape[-1])
         grad.scatter_add_(-1, target[:, None], grad.new_full((grad.shape[0], 1), -(1.0 - eps)))
         grad.mul_((nonpad.to(grad.dtype) * grad_loss)[:, None])
@@ -60,15 +74,14 @@ class _ChunkedSmoothedCE(torch.autograd.Function):
         loss = logits.new_zeros((), dtype=torch.float64)
         nll_sum = logits.new_zeros((), dtype=torch.float64)
         for start in range(0, rows, _ChunkedSmoothedCE.ROWS):
-            x = logits[start : start + _ChunkedSmoothedCE.ROWS].float()
+            lp = torch.log_softmax(logits[start : start + _ChunkedSmoothedCE.ROWS].float(), dim=-1)
             t = target[start : start + _ChunkedSmoothedCE.ROWS]
-            weight = (t != pad_id).to(x.dtype)
-            norm = torch.logsumexp(x, dim=-1)
-            nll = norm - x.gather(-1, t[:, None]).squeeze(-1)
-            smooth = norm - x.mean(dim=-1)
+            weight = (t != pad_id).to(lp.dtype)
+            nll = -lp.gather(-1, t[:, None]).squeeze(-1)
+            smooth = -lp.mean(dim=-1)
             loss += (((1.0 - epsilon) * nll + epsilon * smooth) * weight).sum()
             nll_sum += (nll * weight).sum()
-            g = x.sub_(norm[:, None]).exp_()  # softmax, in the widened chunk
+            g = _softmax_(lp)  # in the widened chunk
             g.sub_(epsilon / vocab)
             g.scatter_add_(-1, t[:, None], g.new_full((g.shape[0], 1), -(1.0 - epsilon)))
             grad[start : start + _ChunkedSmoothedCE.ROWS] = g.mul_(weight[:, None])

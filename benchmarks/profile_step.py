@@ -1,0 +1,91 @@
+"""Where a training step of ``bench_train.py``'s workload spends its time, op by op (CPU).
+
+    python benchmarks/profile_step.py                       # bf16 sinusoidal, 5 profiled steps
+    python benchmarks/profile_step.py --dtype fp32 --kind rope --steps 3 --top 30
+
+The same model, batches, loss and optimizer as ``bench_train.py``'s training rows (``TrainRow``),
+run as the trainer runs (``tpe_train.perf.configure_cpu``). After ``--warmup`` steps, ``--steps``
+steps run under ``torch.profiler``; printed:
+
+- the ops with the most self CPU time (their own time, not their children's), with calls and the
+  share of the step;
+- GEMM time (``addmm``, ``mm``, ``bmm``, ``matmul``, ``linear``, oneDNN's ``mkldnn`` ops, counted once
+  where they nest) against the rest, and the rest split into copies and casts (``copy_``, ``to``,
+  ``_to_copy``, ``clone``, ``contiguous``), element-wise and reductions, and the optimizer;
+- every dtype cast (``_to_copy``) by input shape and dtypes, most time first: under autocast these
+  are the copies bf16 pays for that fp32 does not.
+
+Numbers come from one process on a possibly busy machine: read them as shares of one step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT))
+
+from bench_train import TrainRow, make_batches, tpe_model  # noqa: E402
+
+from tpe_train import perf  # noqa: E402
+
+GEMM = ("aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::_mkldnn_linear",
+        "mkldnn::_linear_pointwise", "aten::mkldnn_linear_backward_weights", "aten::mkldnn_linear",
+        "aten::mkldnn_linear_backward_input")  # fmt: skip
+COPIES = ("aten::copy_", "aten::_to_copy", "aten::clone", "aten::contiguous", "aten::to")
+OPTIMIZER = ("Optimizer.step",)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--kind", default="sinusoidal", help="position encoding of the tpe_train model")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    p.add_argument("--top", type=int, default=25, help="ops listed by self CPU time")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    perf.configure_cpu("auto", torch.device("cpu"))
+    row = TrainRow(args.kind, args.dtype, tpe_model(args.kind), make_batches(0))
+    for _ in range(args.warmup):
+        row.step()
+    with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
+        for _ in range(args.steps):
+            row.step()
+    events = prof.key_averages()
+    total = sum(e.self_cpu_time_total for e in events)  # microseconds, over all profiled steps
+    per_step = total / args.steps / 1e3
+    print(f"{args.kind} {args.dtype}, {torch.get_num_threads()} threads: {per_step:.1f} ms self CPU per step")
+    print(f"{'op':<44} {'calls/step':>10} {'ms/step':>9} {'share':>7}")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[: args.top]:
+        ms, share = e.self_cpu_time_total / args.steps / 1e3, e.self_cpu_time_total / total
+        print(f"{e.key[:44]:<44} {e.count / args.steps:>10.1f} {ms:>9.2f} {share:>7.1%}")
+    groups: dict[str, float] = defaultdict(float)
+    for e in events:
+        key = ("gemm" if e.key in GEMM else "copies and casts" if e.key in COPIES
+               else "optimizer" if e.key.startswith(OPTIMIZER) else "everything else")  # fmt: skip
+        groups[key] += e.self_cpu_time_total
+    print()
+    for key, us in sorted(groups.items(), key=lambda kv: -kv[1]):
+        print(f"{key:<20} {us / args.steps / 1e3:>9.2f} ms/step {us / total:>7.1%}")
+    casts = [e for e in prof.key_averages(group_by_input_shape=True) if e.key == "aten::_to_copy"]
+    print("\ncasts (aten::_to_copy) by input shape, most time first:")
+    for e in sorted(casts, key=lambda e: -e.cpu_time_total)[:15]:
+        ms = e.cpu_time_total / args.steps / 1e3
+        print(f"  {ms:>7.2f} ms/step {e.count / args.steps:>5.1f}x  {str(e.input_shapes)[:90]}")
+
+
+if __name__ == "__main__":
+    main()
