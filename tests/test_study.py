@@ -172,6 +172,17 @@ def test_slurm_submission_is_one_array_per_seed_and_variant(
     assert not out.exists()  # a dry run writes nothing
 
 
+def test_portable_names_this_python_by_any_of_its_names(tmp_path: Path) -> None:
+    from tpe_train.study.archive import portable
+
+    bindir = Path(sys.executable).parent
+    text = f"$ {bindir}/python3.11 -m x; {bindir}/python -m y; {bindir}/python3 z; {bindir}/pythonista"
+    assert (
+        portable(text, tmp_path)
+        == f"$ python -m x; python -m y; python z; {portable(str(bindir), tmp_path)}/pythonista"
+    )
+
+
 def test_a_second_seed_of_some_settings_adds_only_those_runs(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

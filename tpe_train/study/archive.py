@@ -19,6 +19,7 @@ copy) and the manifests merged; archives of different presets or overrides are r
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
 from dataclasses import replace
@@ -37,7 +38,10 @@ TEXT = (".json", ".yaml", ".log")  # rewritten with portable paths; the rest (hy
 def portable(text: str, cwd: Path | None = None) -> str:
     """``text`` with this machine's paths replaced (see the module docstring)."""
     cwd = (cwd or Path.cwd()).resolve()
-    swaps = [(sys.executable, "python"), (f"{cwd}/", ""), (str(cwd), ".")]
+    # this environment's interpreter by any of its names (python, python3.11: a console script's
+    # shebang and ``python -m`` record different ones)
+    text = re.sub(rf"{re.escape(str(Path(sys.executable).parent))}/python[0-9.]*(?![\w.])", "python", text)
+    swaps = [(f"{cwd}/", ""), (str(cwd), ".")]
     if cwd.parent != cwd:
         swaps += [(f"{cwd.parent}/", "../")]
     swaps += [(f"{Path.home()}/", "~/")]
