@@ -9,11 +9,11 @@ steps run under ``torch.profiler``; printed:
 
 - the ops with the most self CPU time (their own time, not their children's), with calls and the
   share of the step;
-- GEMM time (``addmm``, ``mm``, ``bmm``, ``matmul``, ``linear``, oneDNN's ``mkldnn`` ops, counted once
-  where they nest) against the rest, and the rest split into copies and casts (``copy_``, ``to``,
-  ``_to_copy``, ``clone``, ``contiguous``), element-wise and reductions, and the optimizer;
-- every dtype cast (``_to_copy``) by input shape and dtypes, most time first: under autocast these
-  are the copies bf16 pays for that fp32 does not.
+- self CPU time in four groups: GEMMs (``addmm``, ``mm``, ``bmm``, ``baddbmm`` and oneDNN's linear ops;
+  self time, so a wrapper such as ``linear`` is not counted twice), copies and casts (``copy_``,
+  ``to``, ``_to_copy``, ``clone``, ``contiguous``), the optimizer's own time, and everything else;
+- every dtype cast (``_to_copy``) by input shape, most time first (time with its ``copy_``): under
+  autocast these are the copies bf16 pays for that fp32 does not.
 
 Numbers come from one process on a possibly busy machine: read them as shares of one step.
 """
