@@ -562,11 +562,11 @@ def test_an_archive_holds_the_figures_without_weights_or_machine_paths(
     figures = [{k: {**v, "paired": None} for k, v in d["settings"].items()} for d in (ours, theirs)]
     assert figures[0] == figures[1]  # figures, means and deviations
     assert ours["settings"]["learned"]["paired"]["seeds_without_hypotheses"] == [1, 2]
-    # one run of each pair with its references (e.g. trained after a restore): the tests are back
-    for seed in (1, 2):
-        ref = study_dir / f"runs/s{seed}/sinusoidal/averaged-last2/hypotheses"
-        for path in ref.glob("*.ref"):
-            (dest / path.relative_to(study_dir)).write_bytes(path.read_bytes())
+    # one run with its references (e.g. trained after a restore): every pair on that test set is
+    # tested again, seed 2's included (the same corpus and data settings: the same references)
+    ref = study_dir / "runs/s1/sinusoidal/averaged-last2/hypotheses"
+    for path in ref.glob("*.ref"):
+        (dest / path.relative_to(study_dir)).write_bytes(path.read_bytes())
     assert main(["report", str(dest), "--heatmap-positions", "40"]) == 0
     assert json.loads((dest / "report/summary.json").read_text()) == theirs
     assert all((dest / "report" / f"{stem}.png").read_bytes().startswith(PNG) for stem in PLOTS)
@@ -582,6 +582,14 @@ def test_an_archive_holds_the_figures_without_weights_or_machine_paths(
     Study(other, "demo", ["train.max_steps=3"], ["sinusoidal"], [1]).save()
     assert main(["archive", str(other), str(dest)]) == 2
     assert "a study directory holds one preset, overrides" in capsys.readouterr().err
+    # restoring from an archive without references keeps its report (and so its paired tests)
+    archived, restored = tmp_path / "archived", tmp_path / "restored"
+    assert main(["archive", str(study_dir), str(archived)]) == 0
+    before = (archived / "report/report.md").read_text()
+    assert main(["archive", str(archived), str(restored)]) == 0
+    assert "keeps its report" in capsys.readouterr().out
+    assert (archived / "report/report.md").read_text() == before
+    assert (restored / "report/report.md").read_text() == before and "p (BLEU)" in before
     (tmp_path / "notes").mkdir()
     (tmp_path / "notes" / "todo.txt").write_text("mine\n")
     assert main(["archive", str(study_dir), str(tmp_path / "notes")]) == 2

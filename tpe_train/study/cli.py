@@ -122,11 +122,16 @@ def archive_parser() -> argparse.ArgumentParser:
 def cmd_archive(argv: list[str]) -> int:
     from tpe_train.study.archive import archive
     from tpe_train.study.report import write_report
+    from tpe_train.study.results import kept_references
 
     args = archive_parser().parse_args(argv)
     source = Study.load(Path(args.study_dir))
-    if not args.no_report:  # from the study, whose runs kept the references the paired tests need
-        print(f"report: {write_report(source)}")
+    if args.no_report:
+        pass
+    elif kept_references(source) or not (source.report_dir / "report.md").is_file():
+        print(f"report: {write_report(source)}")  # from the study, whose runs kept the references
+    else:  # an archive (no references): a new report would lose the paired tests its own has
+        print(f"report: {source.report_dir / 'report.md'} (an archive without references keeps its report)")
     study, done = archive(source.root, Path(args.dest), report=not args.no_report)
     print(f"archived {done} finished runs of {args.study_dir} into {study.root}")
     return 0

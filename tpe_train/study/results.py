@@ -206,15 +206,21 @@ class SettingTests:
         }
 
 
-def kept_hypotheses(run: Run) -> tuple[list[str], list[str] | None] | None:
-    """(hypotheses, references) of the run's test set as its evaluation kept them, or None. The
-    references are None where they were not kept (an archive leaves the test set out)."""
+def test_set(run: Run) -> str | None:
+    """The name of the test set a finished run was evaluated on (None: not finished, or unknown)."""
     if run.metrics is None:
         return None
     name = run.metrics.get("test_set")
     if name is None:  # evaluated before the set was named: the config's test split
         cfg = run_config(run)
         name = cfg.data.test_split if cfg is not None else None
+    return str(name) if name is not None else None
+
+
+def kept_hypotheses(run: Run) -> tuple[list[str], list[str] | None] | None:
+    """(hypotheses, references) of the run's test set as its evaluation kept them, or None. The
+    references are None where they were not kept (an archive leaves the test set out)."""
+    name = test_set(run)
     if name is None:
         return None
     files = EvalFiles(run.eval_path.parent)
@@ -224,10 +230,25 @@ def kept_hypotheses(run: Run) -> tuple[list[str], list[str] | None] | None:
     return read_lines(hyp), (read_lines(ref) if ref.is_file() else None)
 
 
+def kept_references(study: Study) -> bool:
+    """Whether a finished run of ``study`` kept its test set's references (an archive's runs do not)."""
+    return any((kept := kept_hypotheses(run)) is not None and kept[1] is not None for run in gather(study))
+
+
 def significance(study: Study, runs: list[Run], samples: int = 1000) -> list[SettingTests]:
-    """Every setting but the baseline against the baseline (see ``SettingTests``)."""
+    """Every setting but the baseline against the baseline (see ``SettingTests``).
+
+    A pair needs the test set's references, which an archive leaves out: where neither run kept
+    them, those of any other run of the study on the same test set serve (every run of a study reads
+    the same corpus with the same data settings). So runs restored from an archive are tested again
+    once one run trained after the restore has evaluated."""
     baseline = parse_setting(study.baseline_setting)
     by_cell = {(r.setting, r.seed): r for r in runs}
+    shared: dict[str, list[str]] = {}
+    for run in runs:
+        kept, name = kept_hypotheses(run), test_set(run)
+        if kept is not None and kept[1] is not None and name is not None:
+            shared.setdefault(name, kept[1])
     tests = []
     for name in study.settings:
         setting = parse_setting(name)
@@ -241,6 +262,8 @@ def significance(study: Study, runs: list[Run], samples: int = 1000) -> list[Set
                 continue  # not run yet: listed as missing elsewhere
             a, b = kept_hypotheses(mine), kept_hypotheses(theirs)
             refs = (a[1] or b[1]) if a is not None and b is not None else None  # one side's will do
+            if refs is None and a is not None and b is not None and test_set(mine) == test_set(theirs):
+                refs = shared.get(test_set(mine) or "")
             if (
                 a is None or b is None or refs is None or (None not in (a[1], b[1]) and a[1] != b[1])
             ) or not len(a[0]) == len(b[0]) == len(refs):  # no hypotheses, or not the same references
