@@ -185,3 +185,77 @@ def test_a_shared_bias_is_folded_once_per_stack_with_the_same_outputs_and_gradie
             counts.append(calls["n"])
     assert counts[2:] == [5, 15]
     torch.testing.assert_close(decoded[0], decoded[1], atol=1e-6, rtol=1e-5)
+
+
+def _reference_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kw: object) -> torch.Tensor:
+    """SDPA's math backend in fp64: the formula every CPU path of ``_sdpa`` must give."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    mask = kw.pop("mask")
+    if isinstance(mask, torch.Tensor) and mask.dtype != torch.bool:
+        mask = mask.double()
+    with sdpa_kernel(SDPBackend.MATH):
+        return torch.nn.functional.scaled_dot_product_attention(
+            q.double(), k.double(), v.double(), attn_mask=mask, **kw
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("masking", ["bool", "float", "causal"])
+def test_the_cpu_sdpa_paths_equal_sdpa_forward_and_backward(
+    dtype: torch.dtype, masking: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``_sdpa`` on the CPU: bf16, and any float mask (T5/ALiBi, padding + causality), take the formula
+    written out instead of SDPA's math backend (which widens bf16 q, k, v to fp32 and back); fp32
+    with a boolean mask keeps SDPA. Outputs and the gradients of q, k, v equal SDPA's in fp64 within
+    fp32 rounding (fp32), and within bf16 rounding of the scores and outputs (bf16)."""
+    torch.manual_seed(0)
+    b, h, lq, lk, hd = 3, 2, 7, 7, 8
+    qkv = [torch.randn(b, h, n, hd) for n in (lq, lk, lk)]
+    keep = torch.ones(b, 1, 1, lk, dtype=torch.bool)
+    keep[0, ..., 5:] = False
+    mask: torch.Tensor | None = {
+        "bool": keep,
+        "float": torch.randn(1, h, lq, lk).masked_fill(~keep, float("-inf")),
+        "causal": None,
+    }[masking]
+    causal = masking == "causal"
+    calls = {"sdpa": 0}
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def counting(*args: object, **kw: object) -> torch.Tensor:
+        calls["sdpa"] += 1
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", counting)
+    ours = [t.to(dtype, copy=True).requires_grad_() for t in qkv]
+    given = mask.to(dtype) if mask is not None and masking == "float" else mask
+    out = attention._sdpa(*ours, given, 0.0, causal)
+    assert calls["sdpa"] == (1 if dtype == torch.float32 and masking != "float" else 0)
+    refs = [t.double().requires_grad_() for t in qkv]
+    expected = _reference_sdpa(*refs, mask=mask, is_causal=causal)
+    weights = torch.randn(expected.shape, dtype=torch.float64)
+    (out.double() * weights).sum().backward()
+    (expected * weights).sum().backward()
+    tol = {"atol": 1e-5, "rtol": 1e-5} if dtype == torch.float32 else {"atol": 6e-2, "rtol": 3e-2}
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.double(), expected, **tol)  # type: ignore[arg-type]
+    for name, mine, theirs in zip("qkv", ours, refs, strict=True):
+        assert mine.grad is not None and theirs.grad is not None
+        torch.testing.assert_close(mine.grad.double(), theirs.grad, **tol, msg=name)  # type: ignore[arg-type]
+
+
+def test_the_written_out_cpu_attention_drops_weights_as_dropout_does() -> None:
+    """With dropout the written-out path drops attention weights with the model's CPU dropout: the
+    same generator state gives the same output as the formula with ``dropout`` applied by hand."""
+    from tpe_train.model.dropout import dropout
+
+    torch.manual_seed(1)
+    q, k, v = (torch.randn(2, 2, 6, 4, dtype=torch.bfloat16) for _ in range(3))
+    state = torch.get_rng_state()
+    out = attention._sdpa(q, k, v, None, 0.25)
+    torch.set_rng_state(state)
+    weights = torch.softmax(torch.matmul(q, k.transpose(-1, -2)).mul_(0.5), -1, dtype=torch.float32)
+    expected = torch.matmul(dropout(weights.to(q.dtype), 0.25, True), v)
+    torch.testing.assert_close(out, expected, atol=0, rtol=0)
+    assert not torch.equal(out, attention._sdpa(q, k, v, None, 0.0))

@@ -14,7 +14,8 @@ Backends (``model.attention``; ``choose_backend`` resolves ``auto`` per call):
   backward pass on the CPU: there it serves evaluation and decoding only.
 - ``sdpa``: ``F.scaled_dot_product_attention``. Without a bias it takes the fused kernels
   (``is_causal`` for an unpadded causal square, a boolean key mask otherwise); with a bias the bias,
-  padding and causality are folded into one dense float mask (the dense-mask path).
+  padding and causality are folded into one dense float mask (the dense-mask path). On the CPU, bf16
+  and float masks take SDPA's formula written out, which measured faster there (``_sdpa``).
 - ``explicit``: scores, softmax and the weighted sum written out, with the dense mask: the reference,
   and the one path for encodings that need the weights themselves (Shaw's relative values), whatever
   backend was asked for.
@@ -338,7 +339,7 @@ class Attention(nn.Module):
         else:
             # T5/ALiBi: one dense mask per batch and attention kind, shared by the layers (Mask.dense;
             # its causality is the Mask's: for one decoded query no key lies in its future anyway)
-            shared = pos.shared_bias and repeat == 1 and not beams
+            shared = pos.has_bias and pos.shared_bias and repeat == 1 and not beams
             bias = pos.attn_bias(q, q_pos, k_pos) if pos.has_bias and not shared else None
 
             def folded() -> Tensor | None:
@@ -385,25 +386,42 @@ class Attention(nn.Module):
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float, is_causal: bool = False) -> Tensor:
-    """``F.scaled_dot_product_attention``; on the CPU restricted to its math backend.
+    """``F.scaled_dot_product_attention`` on a GPU; on the CPU the math backend or the same formula
+    written out, whichever measured faster for the call.
 
     PyTorch's CPU flash kernel is about 3x slower than the math backend in bf16 at translation
     lengths (forward + backward, (128, 4, 37, 64): 60 ms against 22 ms), which alone ate bf16's gain,
-    and slightly slower in fp32 too (24 against 21 ms). For the few queries of an incremental decoding
-    step (one token, or the beams of a sentence against its memory) even that costs more than the
-    work: plain matmuls are used there (only without gradients, so that a compiled training step
-    never specialises on the length). On a GPU every call goes to SDPA's own choice of kernel.
+    and slightly slower in fp32 too (24 against 21 ms). The math backend itself widens bf16 q, k and
+    v to fp32 and narrows the output back (four copies of each (B, H, L, hd) tensor per layer,
+    forward and backward); with a float mask (T5, ALiBi, or padding + causality) it is slower in
+    fp32 too. Those calls take ``_written_out`` (bf16 scores, softmax in fp32): forward + backward
+    of (128, 4, 37, 64) with a padding mask, one thread, 27 against 47 ms in bf16, and with a float
+    mask 30 against 44 ms in bf16 and 44 against 61 ms in fp32. fp32 with a boolean mask or none
+    keeps the math backend (42 against 45 ms). For the few queries of an incremental decoding step
+    (one token, or the beams of a sentence against its memory) the formula is used too (only without
+    gradients, so that a compiled training step never specialises on the length).
     """
+    if q.device.type != "cpu":
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
     small = not torch.is_grad_enabled() and q.shape[2] <= 8  # decoding (training: no length branch)
-    if q.device.type == "cpu" and small and p == 0.0 and not is_causal:
-        scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)  # (B, H, Lq, Lk)
-        if mask is not None:
-            scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-        return torch.matmul(torch.softmax(scores, dim=-1), v)
-    if q.device.type == "cpu":
-        with sdpa_kernel(SDPBackend.MATH):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
+    float_mask = mask is not None and mask.dtype != torch.bool
+    if small or q.dtype != torch.float32 or float_mask:
+        return _written_out(q, k, v, mask, p, is_causal)
+    with sdpa_kernel(SDPBackend.MATH):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
+
+
+def _written_out(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float, is_causal: bool) -> Tensor:
+    """SDPA's formula as matmuls in q's dtype, the softmax in fp32 and the attention dropout of
+    ``dropout`` (what ``_sdpa`` takes on the CPU for reduced precision and float masks)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)  # (B, H, Lq, Lk)
+    if is_causal:
+        future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu_(1)
+        scores = scores.masked_fill(future, float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(dropout(weights, p, p > 0), v)
 
 
 def _mask(
