@@ -412,6 +412,31 @@ def test_interrupting_parallel_runs_stops_them_and_starts_no_more(tmp_path: Path
     assert not (out / "runs" / "s1" / "rope").exists()
 
 
+def test_a_signal_to_the_study_starts_no_more_runs_even_when_the_run_did_not_save(tmp_path: Path) -> None:
+    """SIGTERM to the study while its first run's trainer is still starting (before it handles signals,
+    so the signal ends it without a checkpoint), and again: the study exits 75 and the second run never
+    starts. Whichever way the trainer ends (killed while importing, or saved and exited 75), the study
+    stops: the outcome does not depend on the timing."""
+    out = tmp_path / "s"
+    long = [o for o in TINY if not o.startswith(("train.max_steps", "train.save_every"))]
+    cmd = [sys.executable, "-m", "tpe_train.study.cli", "run", "--preset", "demo", "--seeds", "1",
+           "--jobs", "1", "--encodings", "sinusoidal,learned", "--out", str(out), *long,
+           "train.max_steps=100000", "train.save_every=100000"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    log = out / "runs" / "s1" / "sinusoidal" / "study.log"
+    deadline = time.monotonic() + 300
+    while not (log.is_file() and "# started" in log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)  # a second signal changes nothing
+    output = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 75, output[-3000:]
+    assert "stopped by a signal" in output and "sinusoidal seed 1" in output, output[-3000:]
+    assert not (out / "runs" / "s1" / "learned").exists(), output[-3000:]
+
+
 def test_study_writes_the_table_of_means_and_deviations(study_dir: Path) -> None:
     report = (study_dir / "report" / "report.md").read_text()
     assert (

@@ -42,7 +42,8 @@ Print = Callable[[str], None]
 
 
 class StudyPreempted(StudyError):
-    """A run saved its checkpoint after SIGTERM / SIGUSR1: the study stops; the same command resumes."""
+    """SIGTERM / SIGUSR1 reached the study: its runs saved (or were ended before they could) and no
+    other run starts; the same command resumes them from their last checkpoints and trains the rest."""
 
 
 def _cpu_launch(launch: str) -> bool:
@@ -103,6 +104,8 @@ def run_local(
         outcome = _train_and_evaluate(study, setting, seed, extra, env, runs, echo and jobs == 1, label, tell)
         if outcome == "preempted":
             preempted.append(label)
+        elif outcome == "stopped":
+            preempted.append(f"{label} (ended before it saved)")
         elif outcome != "ok":
             failed.append(f"{setting.name} seed {seed}")
 
@@ -114,10 +117,11 @@ def run_local(
             runs.terminate()
             pool.shutdown(wait=True, cancel_futures=True)
             raise
-    if preempted:
+    if preempted or runs.stopped:
+        stopped = ", ".join(preempted) or "no run was training"
         raise StudyPreempted(
-            f"{', '.join(preempted)} was preempted (checkpoint saved); run the same tpe-study command again "
-            "to resume it and the rest of the study"
+            f"the study was stopped by a signal ({stopped}); run the same tpe-study command again to resume "
+            "the stopped runs from their last checkpoints (train.resume=auto, the default) and train the rest"
         )
     return failed
 
@@ -142,7 +146,8 @@ def _train_and_evaluate(
     say: Print,
 ) -> str:
     """One run of the grid: train it (unless its export was evaluated already), average and evaluate
-    with ``average``; ``ok``, ``failed`` or ``preempted``."""
+    with ``average``; ``ok``, ``failed``, ``preempted`` (saved) or ``stopped`` (ended by the
+    study's signal before it saved)."""
     run_dir = study.run_dir(setting, seed)
     trained = EvalFiles(run_dir).figures  # written by training's final evaluation
     if not trained.is_file():
@@ -153,6 +158,9 @@ def _train_and_evaluate(
         code = runs.run_logged(study.train_command(setting, seed, extra), env, log, echo)
         if code == EXIT_PREEMPTED:
             return "preempted"
+        if code != 0 and runs.stopped:
+            say(f"{label}: stopped by the signal before it saved (exit {code})")
+            return "stopped"
         if code != 0 or not trained.is_file():
             say(f"{label}: FAILED (exit {code}); the end of {log}:\n{_tail(log)}")
             return "failed"
@@ -180,16 +188,17 @@ class _Processes:
     @contextlib.contextmanager
     def forwarding_signals(self) -> Iterator[None]:
         def forward(signum: int, frame: object) -> None:
-            with self.lock:
+            with self.lock:  # no run starts after it, whatever the running ones do with the signal
+                self.stopped = True
                 for proc in self.live:
                     proc.send_signal(signum)
 
         previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGTERM, signal.SIGUSR1)}
         try:
             yield
-        finally:
+        finally:  # once stopping, the study ignores further signals as its trainers do: it exits 75 next
             for sig, handler in previous.items():
-                signal.signal(sig, handler)
+                signal.signal(sig, signal.SIG_IGN if self.stopped else handler)
 
     def terminate(self) -> None:
         """SIGTERM to every running run: the trainer saves and exits; the next tpe-study run resumes it."""
