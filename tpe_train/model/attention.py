@@ -375,10 +375,7 @@ class Attention(nn.Module):
     ) -> Tensor:
         """Attention with explicit weights (the reference; also for encodings whose value term
         needs the weights)."""
-        scores = torch.matmul(q, k.transpose(-1, -2)) * self.head_dim**-0.5  # (B, H, Lq, Lk)
-        if mask is not None:
-            scores = scores + mask
-        weights = dropout(torch.softmax(scores.float(), dim=-1).to(q.dtype), p, self.training)
+        weights = _weights(q, k, mask, p, is_causal=False)
         out = torch.matmul(weights, v)
         if pos.needs_weights:
             out = out + pos.value_term(weights, q_pos, k_pos)
@@ -412,16 +409,22 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float, is_cau
 
 
 def _written_out(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float, is_causal: bool) -> Tensor:
-    """SDPA's formula as matmuls in q's dtype, the softmax in fp32 and the attention dropout of
-    ``dropout`` (what ``_sdpa`` takes on the CPU for reduced precision and float masks)."""
-    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)  # (B, H, Lq, Lk)
+    """SDPA's formula as matmuls in q's dtype (what ``_sdpa`` takes on the CPU for reduced precision
+    and float masks)."""
+    return torch.matmul(_weights(q, k, mask, p, is_causal), v)
+
+
+def _weights(q: Tensor, k: Tensor, mask: Tensor | None, p: float, is_causal: bool) -> Tensor:
+    """The attention weights (B, H, Lq, Lk) in q's dtype: scaled scores, the mask (boolean: keep;
+    float: added), the softmax in fp32, then the attention dropout of ``dropout`` (p is 0 in eval)."""
+    scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)
     if is_causal:
         future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu_(1)
         scores = scores.masked_fill(future, float("-inf"))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
     weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
-    return torch.matmul(dropout(weights, p, p > 0), v)
+    return dropout(weights, p, p > 0)
 
 
 def _mask(
