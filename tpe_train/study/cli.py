@@ -126,12 +126,12 @@ def cmd_archive(argv: list[str]) -> int:
 
     args = archive_parser().parse_args(argv)
     source = Study.load(Path(args.study_dir))
-    if args.no_report:
-        pass
-    elif kept_references(source) or not (source.report_dir / "report.md").is_file():
-        print(f"report: {write_report(source)}")  # from the study, whose runs kept the references
-    else:  # an archive (no references): a new report would lose the paired tests its own has
-        print(f"report: {source.report_dir / 'report.md'} (an archive without references keeps its report)")
+    if not args.no_report:
+        if kept_references(source) or not (source.report_dir / "report.md").is_file():
+            print(f"report: {write_report(source)}")  # from the study, whose runs kept the references
+        else:  # an archive (no references): a new report would lose the paired tests its own has
+            kept = source.report_dir / "report.md"
+            print(f"report: {kept} (an archive without references keeps its report)")
     study, done = archive(source.root, Path(args.dest), report=not args.no_report)
     print(f"archived {done} finished runs of {args.study_dir} into {study.root}")
     return 0
