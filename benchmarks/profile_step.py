@@ -2,6 +2,7 @@
 
     python benchmarks/profile_step.py                       # bf16 sinusoidal, 5 profiled steps
     python benchmarks/profile_step.py --dtype fp32 --kind rope --steps 3 --top 30
+    python benchmarks/profile_step.py --timer ops --threads 1   # every op timed directly, GEMMs by shape
 
 The same model, batches, loss and optimizer as ``bench_train.py``'s training rows (``TrainRow``),
 run as the trainer runs (``tpe_train.perf.configure_cpu``). After ``--warmup`` steps, ``--steps``
@@ -16,17 +17,24 @@ steps run under ``torch.profiler``; printed:
   autocast these are the copies bf16 pays for that fp32 does not.
 
 Numbers come from one process on a possibly busy machine: read them as shares of one step.
+
+``--timer ops`` times every ATen op of the steps by wall clock instead (a ``TorchDispatchMode`` around
+each call, no profiler: the profiler's own bookkeeping inflated the many small copies of the bf16 loss
+several times over), and prints the ops by time and every GEMM by operand shapes and layout with its
+GFLOP/s: which products run below the machine's peak, and how much of the step is not a GEMM.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
@@ -50,7 +58,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     p.add_argument("--top", type=int, default=25, help="ops listed by self CPU time")
+    p.add_argument("--timer", choices=("profiler", "ops"), default="profiler",
+                   help="torch.profiler (default), or every ATen op timed by wall clock")  # fmt: skip
     return p.parse_args(argv)
+
+
+_MATMULS = {torch.ops.aten.mm.default: (0, 1), torch.ops.aten.addmm.default: (1, 2),
+            torch.ops.aten.bmm.default: (0, 1), torch.ops.aten.baddbmm.default: (1, 2)}  # fmt: skip
+
+
+class OpTimer(TorchDispatchMode):
+    """Wall-clock time of every ATen op run inside it; GEMMs keyed by operand shapes and layout."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: dict[tuple[str, ...], list[float]] = defaultdict(lambda: [0.0, 0.0, 0.0])  # calls, s, FLOPs
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        start = time.perf_counter()
+        out = func(*args, **(kwargs or {}))
+        seconds = time.perf_counter() - start
+        key: tuple[str, ...] = (func.__name__,)
+        flops = 0.0
+        if func in _MATMULS:
+            i, j = _MATMULS[func]
+            a, b = args[i], args[j]
+            flops = 2.0 * a.numel() * b.shape[-1]
+            layout = "".join("c" if t.is_contiguous() else "t" for t in (a, b))
+            key = (
+                func.__name__,
+                f"{tuple(a.shape)}@{tuple(b.shape)}",
+                layout,
+                str(a.dtype).removeprefix("torch."),
+            )
+        entry = self.ops[key]
+        entry[0], entry[1], entry[2] = entry[0] + 1, entry[1] + seconds, entry[2] + flops
+        return out
+
+
+def time_ops(row: TrainRow, steps: int, top: int) -> None:
+    """``--timer ops``: every op's wall time per step, and every GEMM shape's rate."""
+    timer = OpTimer()
+    with timer:
+        start = time.perf_counter()
+        for _ in range(steps):
+            row.step()
+        wall = (time.perf_counter() - start) / steps
+    ops = timer.ops
+    in_ops = sum(v[1] for v in ops.values()) / steps
+    gemm = [(k, v) for k, v in ops.items() if v[2]]
+    gemm_s = sum(v[1] for _, v in gemm) / steps
+    rate = sum(v[2] for _, v in gemm) / steps / gemm_s / 1e9
+    print(f"{row.name} {row.dtype}, {torch.get_num_threads()} threads: step {wall * 1e3:.0f} ms (wall), "
+          f"{in_ops * 1e3:.0f} ms in ATen ops, of which GEMMs {gemm_s * 1e3:.0f} ms ({gemm_s / wall:.0%} of "
+          f"the step) at {rate:.0f} GFLOP/s")  # fmt: skip
+    print(f"\n{'ms/step':>8} {'calls':>6}  op (GEMMs: operands, layout c=contiguous t=transposed, dtype)")
+    for key, (calls, seconds, flops) in sorted(ops.items(), key=lambda kv: -kv[1][1])[:top]:
+        gflops = f"  {flops / seconds / 1e9:.0f} GFLOP/s" if flops else ""
+        print(f"{seconds / steps * 1e3:>8.2f} {calls / steps:>6.0f}  {' '.join(key)}{gflops}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -61,6 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     row = TrainRow(args.kind, args.dtype, tpe_model(args.kind), make_batches(0))
     for _ in range(args.warmup):
         row.step()
+    if args.timer == "ops":
+        time_ops(row, args.steps, args.top)
+        return
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(args.steps):
             row.step()
