@@ -428,8 +428,9 @@ class TrainRow:
         )
         with ctx:
             logits = self.logits(b)
-            loss, _, ntok = label_smoothed_loss(logits, b.tgt_out, pad_id=PAD, epsilon=EPSILON)
-        (loss / ntok).backward()
+            scale = 1.0 / b.ntok  # the gradient's factor, passed as the trainer passes it
+            loss, _, ntok = label_smoothed_loss(logits, b.tgt_out, PAD, EPSILON, scale)
+        (loss * scale).backward()
         self.opt.step()
         self.losses.append(float(loss.detach()) / int(ntok))
 

@@ -153,6 +153,26 @@ def test_label_smoothed_loss_gradient_matches_autograd_reference(dtype: torch.dt
     torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-5)
 
 
+@pytest.mark.parametrize("hint", [0.5, 0.25, 1.0])
+def test_the_gradient_scale_hint_changes_no_gradient(hint: float) -> None:
+    """The bf16 kernel folds ``grad_scale`` into the gradient it computes in the forward; whether the
+    backward's factor is the hint (0.5: handed on as it is) or not (another factor: rescaled), the
+    gradient is the reference's, and the loss is the unscaled sum either way."""
+    logits = torch.randn(11, 7, 13, dtype=torch.bfloat16, requires_grad=True)  # 77 rows: three chunks
+    target = torch.randint(1, 13, (11, 7))
+    target[1, 4:] = 0
+    loss, _, _ = label_smoothed_loss(logits, target, pad_id=0, epsilon=0.1, grad_scale=hint)
+    (loss * 0.5).backward()
+    ref_logits = logits.detach().clone().requires_grad_(True)
+    ref = torch.nn.functional.cross_entropy(
+        ref_logits.float().view(-1, 13), target.view(-1), ignore_index=0, label_smoothing=0.1, reduction="sum"
+    )
+    (ref * 0.5).backward()
+    assert logits.grad is not None and logits.grad.dtype == torch.bfloat16
+    torch.testing.assert_close(logits.grad.float(), ref_logits.grad.float(), atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(loss, ref.detach(), atol=1e-3, rtol=1e-5)
+
+
 def test_bf16_logits_take_chunks_on_the_cpu_only() -> None:
     assert loss_kernel(torch.bfloat16, "cpu") is _ChunkedSmoothedCE
     assert loss_kernel(torch.float32, "cpu") is _SmoothedCE

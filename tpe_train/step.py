@@ -48,12 +48,15 @@ def autocast(enabled: bool, device: torch.device) -> contextlib.AbstractContextM
     return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
 
-def batch_loss(model: Any, batch: Batch, cfg: Config, cast: bool) -> tuple[torch.Tensor, torch.Tensor, int]:
+def batch_loss(
+    model: Any, batch: Batch, cfg: Config, cast: bool, grad_scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """(summed smoothed loss, summed nll, target tokens) of one batch, on the batch's device;
-    ``cast``: bf16 autocast."""
+    ``cast``: bf16 autocast; ``grad_scale``: the factor of the loss in the backward that follows."""
     with autocast(cast, batch.src.device):
         logits = model(batch.src, batch.tgt_in)
-    loss, nll, ntok = label_smoothed_loss(logits, batch.tgt_out, PAD_ID, cfg.train.label_smoothing)
+    smoothing = cfg.train.label_smoothing
+    loss, nll, ntok = label_smoothed_loss(logits, batch.tgt_out, PAD_ID, smoothing, grad_scale)
     return loss, nll, int(ntok)
 
 
@@ -71,7 +74,7 @@ def train_step(
     scale = cfg.train.accumulate * ctx.dp_size / ntok
     loss_sum, nll_sum = 0.0, 0.0
     for batch in micro:
-        loss, nll, _ = batch_loss(engine.forward, batch.to(ctx.device), cfg, cast)
+        loss, nll, _ = batch_loss(engine.forward, batch.to(ctx.device), cfg, cast, scale)
         engine.backward(loss * scale)
         loss_sum, nll_sum = loss_sum + float(loss.detach()), nll_sum + float(nll)
     grad_norm = engine.step()
