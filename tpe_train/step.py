@@ -72,9 +72,10 @@ def train_step(
     accumulation steps and data-parallel ranks."""
     ntok = ctx.dp_sum([float(sum(b.target_tokens for b in micro))])[0]
     scale = cfg.train.accumulate * ctx.dp_size / ntok
+    seen = scale / cfg.train.accumulate  # every engine divides by ``accumulate``: the loss's backward factor
     loss_sum, nll_sum = 0.0, 0.0
     for batch in micro:
-        loss, nll, _ = batch_loss(engine.forward, batch.to(ctx.device), cfg, cast, scale)
+        loss, nll, _ = batch_loss(engine.forward, batch.to(ctx.device), cfg, cast, seen)
         engine.backward(loss * scale)
         loss_sum, nll_sum = loss_sum + float(loss.detach()), nll_sum + float(nll)
     grad_norm = engine.step()
