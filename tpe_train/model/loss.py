@@ -8,18 +8,19 @@ saves about a tenth of a training step on the CPU.
 
 Logits in lower precision (bf16 autocast) are not widened to one fp32 (N, V) copy: rows are taken
 in chunks small enough to stay in cache, widened, and the loss and the gradient (already in the
-logits' dtype) computed there in the forward pass; the backward only scales it. On 4,736 x 8,000
+logits' dtype) computed there in the forward pass; the backward at most scales it. On 4,736 x 8,000
 bf16 logits this took 240 ms for forward + backward against 410 ms for the widened path (one thread);
 fp32 logits keep the one-buffer path, which was as fast. The chunks are a CPU measure: on a GPU each
 chunk is a dozen small kernel launches, and a training step of the benchmark's shape in bf16 took 4x
 as long as in fp32 on an H200. GPU logits of any dtype take the one-buffer path.
 
 The chunks' gradient is already scaled by ``grad_scale``, the factor the caller multiplies the loss
-by before its backward (the trainer's 1 / target tokens): the backward then hands it on as it is
-when the incoming gradient is that factor, instead of one more pass over the (N, V) bf16 gradient
-(33 of 940 ms of a bf16 step, one thread, Intel Xeon with AMX). Any other incoming gradient (no hint,
-DeepSpeed's own averaging, a loss scaler) is applied by that pass, as before: the hint changes the
-speed, never the gradient beyond rounding.
+by before its backward (the trainer's 1 / target tokens, divided by ``train.accumulate`` as every
+engine divides it): the backward then hands it on as it is when the incoming gradient is that
+factor, instead of one more pass over the (N, V) bf16 gradient (33 of 940 ms of a bf16 step, one
+thread, Intel Xeon with AMX; 6% of the step measured A/B). Any other incoming gradient (no hint, a
+loss scaler) is applied by that pass, as before: the hint changes the speed, never the gradient
+beyond rounding.
 
 Both paths take log-probabilities from ``log_softmax``'s fused kernel and the softmax from them as
 ``exp2(log p * log2(e))`` on the CPU: PyTorch's CPU ``exp`` was 2.5-4x slower than ``mul`` + ``exp2`` on
