@@ -182,7 +182,7 @@ class _Processes:
 
     def __init__(self) -> None:
         self.live: set[subprocess.Popen[str]] = set()
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()  # the signal handler takes it too, in the main thread
         self.stopped = False  # after ``terminate``, a run that starts late is stopped at once
 
     @contextlib.contextmanager
