@@ -165,13 +165,18 @@ def onednn_nodes(engine: Engine, b: Batch) -> int:
     ``_CpuLinearBackward`` in the graph of the logits): which kernels the engine's layers take, on
     the parameters DeepSpeed gathered."""
     logits = engine.forward(b.src.to(engine.ctx.device), b.tgt_in.to(engine.ctx.device))
-    seen, todo = set(), [logits.grad_fn]
+    return graph_nodes(logits, "_CpuLinearBackward")
+
+
+def graph_nodes(out: torch.Tensor, name: str) -> int:
+    """How many nodes of type ``name`` the autograd graph of ``out`` holds."""
+    seen, todo = set(), [out.grad_fn]
     while todo:
         node = todo.pop()
         if node is not None and node not in seen:
             seen.add(node)
             todo.extend(n for n, _ in node.next_functions)
-    return sum(type(n).__name__ == "_CpuLinearBackward" for n in seen)
+    return sum(type(n).__name__ == name for n in seen)
 
 
 def tp_flex_check(kinds: list[str]) -> dict[str, Any]:

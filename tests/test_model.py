@@ -309,7 +309,8 @@ def test_packed_incremental_decoding_equals_the_plain_full_pass(kind: str) -> No
     with kernels.packed_inference():
         memory, cache = model.encode(src), model.new_cache()
         steps = [model.decode(tgt[:, i : i + 1], memory, cache) for i in range(6)]
-        assert len(kernels._SCOPE.fused) == len(model.encoder.layers) + len(model.decoder.layers)
+        # q|k|v of every layer, and cross-attention's k|v (projected once per memory)
+        assert len(kernels._SCOPE.fused) == len(model.encoder.layers) + 2 * len(model.decoder.layers)
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
@@ -325,3 +326,47 @@ def test_fused_linears_equal_one_at_a_time_with_and_without_biases() -> None:
         with torch.no_grad():
             for got, layer in zip(fused, layers, strict=True):
                 torch.testing.assert_close(got, torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("cast", [False, True])
+def test_training_with_q_k_v_as_one_product_follows_separate_products(cast: bool) -> None:
+    """Attention's projections as one product over concatenated weights (training, kernels.linears):
+    the losses and every parameter's gradient of three products per layer, within rounding (fp32:
+    1e-5 relative; bf16 autocast: the rounding of bf16 products, 2e-2 of the largest gradient), and
+    one product where there were three (the autograd graph's linear nodes)."""
+    from dist_harness import graph_nodes
+
+    from tpe_train.model import kernels
+    from tpe_train.model.attention import Attention
+
+    def run(fuse: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor], int]:
+        torch.manual_seed(0)
+        model = tiny_model("t5")
+        for module in model.modules():
+            if isinstance(module, Attention):
+                module.fuse_projections = fuse
+        src, tgt = torch.randint(3, 40, (3, 9)), torch.randint(3, 40, (3, 7))
+        src[2, 6:] = 0
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=cast):
+            logits = model(src, tgt)
+        loss = logits.float().logsumexp(-1).sum()
+        loss.backward()
+        cats = graph_nodes(logits, "CatBackward0")
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, cats
+
+    kernels.set_cpu_gemm("auto")
+    loss, grads, cats = run(True)
+    ref_loss, ref_grads, ref_cats = run(False)
+    layers = len(tiny_model("t5").encoder.layers), len(tiny_model("t5").decoder.layers)
+    assert cats - ref_cats == 2 * layers[0] + 4 * layers[1]  # weight and bias of q|k|v, cross k|v
+    assert grads.keys() == ref_grads.keys()
+    rtol = 2e-2 if cast else 1e-5
+    torch.testing.assert_close(loss, ref_loss, rtol=rtol, atol=0)
+    # key biases get gradients that are zero in exact arithmetic (softmax ignores a constant added
+    # to every logit): rounding noise, compared on the scale of the largest gradient
+    largest = max(float(g.abs().max()) for g in ref_grads.values())
+    for name, grad in grads.items():
+        ref = ref_grads[name]
+        scale = largest if name.endswith(".k.bias") else max(float(ref.abs().max()), 1e-2 * largest)
+        assert float((grad - ref).abs().max()) <= rtol * scale, (name, float((grad - ref).abs().max()), scale)

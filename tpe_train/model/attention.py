@@ -265,6 +265,9 @@ class Attention(nn.Module):
         self.out = Linear(d_model, d_model)
         self.dropout = dropout
         self.backend = backend  # requested; resolved per call by choose_backend
+        # q, k, v (cross-attention: k, v) as one product (kernels.linears); off where each projection's
+        # weight exists only while its own forward runs (ZeRO-3: Engine turns it off)
+        self.fuse_projections = True
 
     def _split(self, x: Tensor) -> Tensor:
         b, length, _ = x.shape
@@ -298,7 +301,7 @@ class Attention(nn.Module):
         """
         q_pos, k_pos, keep = mask.q_pos, mask.k_pos, mask.keep
         if memory is None:
-            q, k, v = (self._split(t) for t in linears(x, (self.q, self.k, self.v)))
+            q, k, v = (self._split(t) for t in linears(x, (self.q, self.k, self.v), self.fuse_projections))
             q, k = pos.rotate(q, k, q_pos, q_pos)
             if cache is not None:
                 k, v = cache.append(k, v)
@@ -308,7 +311,7 @@ class Attention(nn.Module):
             q, _ = pos.rotate(q, k[:, :, :0], q_pos, k_pos[:0])
         else:
             q = self._split(self.q(x))
-            k, v = self._split(self.k(memory)), self._split(self.v(memory))
+            k, v = (self._split(t) for t in linears(memory, (self.k, self.v), self.fuse_projections))
             q, k = pos.rotate(q, k, q_pos, k_pos)
             if cache is not None:
                 k, v = cache.store(k, v)

@@ -10,8 +10,9 @@ for the machine it runs on).
 Inference: packing a weight into oneDNN's blocked layout costs one pass over it, so it pays where a
 weight serves many products with unchanged values, above all the steps of a decoding. Packing happens
 only inside ``packed_inference()`` (greedy and beam search enter it), where oneDNN is chosen (the
-rule below): there the weights cannot change, and the packed copies are dropped when it ends. Self-
-attention's q, k and v are one product there whichever library computes it.
+rule below): there the weights cannot change, and the packed copies are dropped when it ends.
+Attention's q, k and v (cross-attention's k and v) are one product there, and in training too
+(``linears``), whichever library computes it.
 
 Training (``train.cpu_gemm``, set once per process with ``set_cpu_gemm``): on a CPU the three products
 of a linear layer -- the forward x W^T, the input gradient g W and the weight gradient g^T x -- run in
@@ -94,27 +95,54 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return torch.ops.mkldnn._linear_pointwise(x, entry[1], bias, "none", [], "")
 
 
-def linears(x: Tensor, layers: Sequence[nn.Module]) -> list[Tensor]:
-    """``[layer(x) for layer in layers]``; inside ``packed_inference`` on a CPU, when they are all
-    ``Linear``, one product with their weights stacked once (self-attention's q, k, v: one GEMM of
-    width 3 d instead of three of width d; packed where oneDNN is chosen), its outputs returned as
-    column views."""
+def linears(x: Tensor, layers: Sequence[nn.Module], fuse: bool = True) -> list[Tensor]:
+    """``[layer(x) for layer in layers]`` as one product when they are all ``Linear`` (self-attention's
+    q, k, v: one GEMM of width 3 d instead of three of width d), its outputs returned as column views.
+
+    Inside ``packed_inference`` on a CPU the stacked weight is built once (and packed where oneDNN is
+    chosen). Elsewhere (training, ``fuse``) the weights are concatenated at every call, inside the
+    autograd graph: the copy is 3 d^2 values against the 3 x tokens x d of the inputs that one
+    product reads once instead of three times, and the backward computes one input gradient (one
+    GEMM of depth 3 d, no sum of three). Under bf16 autocast the input is also rounded once, not three
+    times. ``fuse=False`` keeps one product per layer (ZeRO-3 gathers a layer's weight only while that
+    layer's own forward runs)."""
     plain = [layer for layer in layers if isinstance(layer, Linear)]
-    if len(plain) != len(layers) or not _packable(x, plain[0].weight):
+    if len(plain) != len(layers) or len(plain) < 2:
         return [layer(x) for layer in layers]
-    key = tuple(id(layer.weight) for layer in plain)
-    entry = _SCOPE.fused.get(key)
-    if entry is None:
-        weight = torch.cat([layer.weight.detach() for layer in plain])
-        biases = [layer.bias for layer in plain]
-        present = [b.detach() for b in biases if b is not None]
-        if len(present) not in (0, len(biases)):  # some with a bias, some without: one at a time
-            return [layer(x) for layer in layers]
-        bias = torch.cat(present) if present else None
-        entry = (plain, weight, bias)
-        _SCOPE.fused[key] = entry
-    out = linear(x, entry[1], entry[2])
-    return list(out.split([layer.weight.shape[0] for layer in plain], dim=-1))
+    widths = [layer.weight.shape[0] for layer in plain]
+    if _packable(x, plain[0].weight):
+        key = tuple(id(layer.weight) for layer in plain)
+        entry = _SCOPE.fused.get(key)
+        if entry is None:
+            stacked = _stacked(plain, detach=True)
+            if stacked is None:
+                return [layer(x) for layer in layers]
+            entry = (plain, *stacked)
+            _SCOPE.fused[key] = entry
+        return list(linear(x, entry[1], entry[2]).split(widths, dim=-1))
+    stacked = _stacked(plain, detach=False) if fuse else None
+    if stacked is None:
+        return [layer(x) for layer in layers]
+    return list(linear(x, *stacked).split(widths, dim=-1))
+
+
+def _stacked(layers: Sequence[Linear], detach: bool) -> tuple[Tensor, Tensor | None] | None:
+    """The layers' weights (and biases) concatenated along the output features; None where they
+    cannot share one product (different inputs, dtypes or devices, a bias on some only, or a weight
+    without values: a ZeRO-3 placeholder)."""
+    weights = [layer.weight.detach() if detach else layer.weight for layer in layers]
+    first = weights[0]
+    if any(
+        w.dim() != 2 or w.numel() == 0 or w.shape[1] != first.shape[1] or w.dtype != first.dtype
+        or w.device != first.device
+        for w in weights
+    ):  # fmt: skip
+        return None
+    biases = [layer.bias for layer in layers]
+    present = [(b.detach() if detach else b) for b in biases if b is not None]
+    if len(present) not in (0, len(biases)):
+        return None
+    return torch.cat(weights), torch.cat(present) if present else None
 
 
 def _packable(x: Tensor, weight: Tensor) -> bool:

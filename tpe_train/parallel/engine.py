@@ -71,6 +71,7 @@ class Engine:
         self.model, self.optimizer, self.scheduler = self.accelerator.prepare(model, optimizer, scheduler)
         if self.zero3:
             _register_external(self.module)
+            _separate_projections(self.module)
         if deepspeed is not None:
             share_fp32_master(self.optimizer)
             _record_stage0_norm(self.model)
@@ -214,3 +215,11 @@ def _register_external(module: nn.Module) -> None:
     for name, param in module.named_parameters():
         if name == "embed.weight" or ".positions." in name or "cross_positions." in name:
             deepspeed.zero.register_external_parameter(module, param)
+
+
+def _separate_projections(module: nn.Module) -> None:
+    """ZeRO-3 gathers a projection's weight only while its own forward runs: attention computes q, k
+    and v as separate products there, not as one over their concatenated weights."""
+    for sub in module.modules():
+        if hasattr(sub, "fuse_projections"):
+            setattr(sub, "fuse_projections", False)  # noqa: B010 (any module with the switch)
