@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from tpe_train.model.attention import Attention
 from tpe_train.parallel.context import ParallelContext
 
 
@@ -222,5 +221,5 @@ def _separate_projections(module: nn.Module) -> None:
     """ZeRO-3 gathers a projection's weight only while its own forward runs: attention computes q, k
     and v as separate products there, not as one over their concatenated weights."""
     for sub in module.modules():
-        if isinstance(sub, Attention):
-            sub.fuse_projections = False
+        if hasattr(sub, "fuse_projections"):
+            setattr(sub, "fuse_projections", False)  # noqa: B010 (any module with the switch)
