@@ -201,6 +201,32 @@ def test_both_loss_kernels_agree_on_bf16_logits(kernel: type[torch.autograd.Func
     torch.testing.assert_close(logits.grad.float(), ref_logits.grad, atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("spread", [3.0, 300.0])
+def test_the_chunked_kernel_computes_the_loss_and_gradient_to_fp32_rounding(spread: float) -> None:
+    """The chunks' log-sum-exp and one-exponential gradient, run on fp32 logits so that bf16 rounding
+    hides nothing, against ``F.cross_entropy`` in fp64: 77 rows (two full chunks and a partial one),
+    padding, and logits 300 apart (exp underflows to 0 for most of a row: the max is subtracted)."""
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(77, 50, generator=gen) * spread
+    target = torch.randint(1, 50, (77,), generator=gen)
+    target[5:9] = 0
+    ours = logits.clone().requires_grad_(True)
+    loss, nll = _ChunkedSmoothedCE.apply(ours, target, 0.1, 0, 0.5)
+    (loss * 0.5).backward()
+    ref_logits = logits.double().requires_grad_(True)
+    ref = torch.nn.functional.cross_entropy(
+        ref_logits, target, ignore_index=0, label_smoothing=0.1, reduction="sum"
+    )
+    (ref * 0.5).backward()
+    ref_nll = torch.nn.functional.cross_entropy(logits.double(), target, ignore_index=0, reduction="sum")
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(nll.double(), ref_nll, rtol=1e-6, atol=0)
+    assert ours.grad is not None and ours.grad.dtype == torch.float32
+    # gradients reach 0.5 * 0.9 (the factor times 1 - eps): 3e-7 is five fp32 ulps at that size
+    torch.testing.assert_close(ours.grad.double(), ref_logits.grad, rtol=0, atol=3e-7)
+    assert torch.all(ours.grad[5:9] == 0)  # padding rows carry no gradient
+
+
 @pytest.mark.parametrize("kind", ["sinusoidal", "shaw+values", "t5", "rope"])
 def test_beams_sharing_one_memory_equal_repeated_memory(kind: str) -> None:
     from dataclasses import replace
