@@ -22,11 +22,18 @@ Numbers come from one process on a possibly busy machine: read them as shares of
 each call, no profiler: the profiler's own bookkeeping inflated the many small copies of the bf16 loss
 several times over), and prints the ops by time and every GEMM by operand shapes and layout with its
 GFLOP/s: which products run below the machine's peak, and how much of the step is not a GEMM.
+It ends with the ceiling: the model FLOPs of a step (``bench_train.py``'s count) against the GEMM
+peak of the step's dtype measured right after (``bench_train.py``'s shapes and kernels, median of 5),
+for the whole step and for a step that did nothing but its GEMMs at the rates they ran at in it. On 2
+threads a 1-thread profile misleads: the output layer's bf16 product ran at 660-800 GFLOP/s on one
+thread with the weight as ``F.linear`` takes it and at 1,600 with the weight transposed, but at about
+3,000 on two threads either way.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 import time
 from collections import defaultdict
@@ -39,7 +46,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT))
 
-from bench_train import TrainRow, make_batches, tpe_model  # noqa: E402
+from bench_train import (  # noqa: E402
+    BATCH,
+    MAX_LEN,
+    PEAK_DTYPES,
+    PEAK_SHAPES,
+    TrainRow,
+    forward_flops,
+    make_batches,
+    tpe_model,
+)
 
 from tpe_train import perf  # noqa: E402
 
@@ -116,6 +132,16 @@ def time_ops(row: TrainRow, steps: int, top: int) -> None:
     for key, (calls, seconds, flops) in sorted(ops.items(), key=lambda kv: -kv[1][1])[:top]:
         gflops = f"  {flops / seconds / 1e9:.0f} GFLOP/s" if flops else ""
         print(f"{seconds / steps * 1e3:>8.2f} {calls / steps:>6.0f}  {' '.join(key)}{gflops}")
+    # The ceiling: model FLOPs (the bench's count) over the GEMMs' own time, against the peak now.
+    model = forward_flops(MAX_LEN, MAX_LEN + 1)["total"] * BATCH * 3
+    dtype = PEAK_DTYPES[row.dtype]
+    peak = perf.measure_peak(dtype, torch.device("cpu"), PEAK_SHAPES, reps=5).gflops(statistics.median)
+    print(
+        f"\nmodel FLOPs {model / 1e9:.1f} GFLOP a step; {row.dtype} GEMM peak measured now "
+        f"{peak:.0f} GFLOP/s (best shape and kernel, median of 5): the step (timed above) at "
+        f"{model / wall / 1e9 / peak:.1%} of it; a step of only its GEMMs, each at its rate in the "
+        f"step, at {model / gemm_s / 1e9 / peak:.1%}"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
