@@ -53,6 +53,15 @@ def test_a_seed_gives_the_same_masks_at_any_thread_count() -> None:
     assert not torch.equal(masks[0], keep_mask(torch.Size((3, 1001, 129)), 19661))
 
 
+def test_a_mask_written_in_bf16_is_the_bool_mask_converted() -> None:
+    torch.manual_seed(7)
+    as_bool = keep_mask(torch.Size((3, 1001, 129)), 19661)
+    torch.manual_seed(7)
+    as_bf16 = keep_mask(torch.Size((3, 1001, 129)), 19661, torch.bfloat16)
+    assert as_bool.dtype == torch.bool and as_bf16.dtype == torch.bfloat16
+    assert torch.equal(as_bf16, as_bool.to(torch.bfloat16))
+
+
 def test_off_and_unrepresentable_rates_take_the_plain_paths() -> None:
     x = torch.randn(4, 5)
     assert dropout(x, 0.3, training=False) is x and dropout(x, 0.0, training=True) is x
