@@ -29,7 +29,8 @@ What is measured
    gradient g^T x -- through PyTorch's kernel and through oneDNN (fp32) or widened (bf16), and
    which one ``train.cpu_gemm=auto`` takes on this processor.
 2. **Training step**: forward + label-smoothed loss (eps 0.1, ``label_smoothed_loss`` on the logits
-   for *every* model, HF ones included, never HF's ``labels=``) + backward + Adam step, dropout on,
+   for *every* model, HF ones included, never HF's ``labels=``) + backward + Adam step (fused, as
+   the trainer's AdamW without weight decay), dropout on,
    in fp32 and under ``torch.autocast("cpu", dtype=torch.bfloat16)`` around forward + loss (fp32
    master weights). Rows: every tpe_train encoding, plus Hugging Face models of the same shape built
    from a config with random weights: MarianMT (sinusoidal) <-> ``sinusoidal``, BART (learned
@@ -404,7 +405,8 @@ class TrainRow:
 
     def __post_init__(self) -> None:
         self.model.to(DEVICE).train()
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=LR, betas=(0.9, 0.98), eps=1e-8)
+        params = self.model.parameters()  # the trainer's optimizer: one fused kernel for all
+        self.opt = torch.optim.Adam(params, lr=LR, betas=(0.9, 0.98), eps=1e-8, fused=True)
         self.hf = self.name.startswith("hf-")
 
     def logits(self, b: Batch) -> Tensor:
@@ -685,8 +687,9 @@ def run_training(
     print()
     print_peak("during training (interleaved with the steps; used for MFU)", peak)
     print(
-        f"\ntraining step (fwd + label-smoothed loss + bwd + Adam), median of {args.steps} interleaved steps"
-        f" after {args.warmup} warm-up;\nvs HF = tok/s / tok/s of matching HF model (>1: tpe faster);"
+        f"\ntraining step (fwd + label-smoothed loss + bwd + fused Adam), median of {args.steps}"
+        f" interleaved steps after {args.warmup} warm-up;\nvs HF = tok/s / tok/s of matching HF model"
+        " (>1: tpe faster);"
         " vs none = step time / tpe none's (same dtype);\nMFU = model FLOP/s / the GEMM peak of the row's"
         " dtype (best kernel and shape, measured during training)"
     )
