@@ -22,7 +22,8 @@ What is measured
    (4096x256)@(256x256), (4096x256)@(256x8000)): PyTorch's kernel (MKL for fp32 on x86), oneDNN's,
    and for bf16 on a CPU the operands widened to fp32 (with either library). Per dtype, the peak is
    the best (shape, kernel) median. It is measured once at the start and again as one more row of
-   the interleaved training rounds (3 repetitions per kernel and shape per round); MFU uses the
+   the interleaved training rounds (3 timed repetitions per kernel and shape per round, each
+   group after 2 untimed calls: AMX runs its first calls after other work at half its rate); MFU uses the
    latter, taken under the same machine load as the steps (where the CPU has no bf16 kernels,
    PyTorch's bf16 kernel is too slow to repeat there: its at-start rate enters the peak instead).
    A kernel table also prints each training product -- forward x W^T, input gradient g W, weight

@@ -239,6 +239,20 @@ def test_model_flops_and_a_measured_peak() -> None:
     assert peak.gflops() == max(g for row in peak.table().values() for g in row.values()) > 0
 
 
+def test_the_peak_times_each_kernel_only_after_untimed_calls() -> None:
+    """AMX runs a product's first calls after other work at about half its rate: those calls are
+    made, and not timed, before the timed ones (``warm``)."""
+    from tpe_train import perf
+
+    calls: list[float] = []
+    peak = perf.Peak(torch.float32, torch.device("cpu"), {"counted": torch.nn.functional.linear}, [(8, 4, 6)])
+    peak.kernels["counted"] = lambda a, b: calls.append(0.0)  # after the constructor's first call
+    peak.sample(reps=3, warm=2)
+    assert len(calls) == 5 and len(peak.samples[("8x4@4x6", "counted")]) == 3
+    peak.sample(reps=1, warm=0)
+    assert len(calls) == 6 and len(peak.samples[("8x4@4x6", "counted")]) == 4
+
+
 def test_a_peak_measured_while_the_cores_were_busy_is_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """A run that measured its GEMM peak while another process had the cores (two study runs starting
     together) would report MFU above one: the meter measures again, and never reports above one."""
