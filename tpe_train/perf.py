@@ -130,8 +130,8 @@ class Peak:
         """Time every kernel on every shape ``reps`` times, each after ``warm`` untimed calls of it.
 
         The untimed calls: on the Intel Xeon with AMX a bf16 product called after other work ran at
-        1,200-1,750 GFLOP/s (2 threads) and at 2,800-3,300 from its third call in a row on. Timing the
-        cold calls understated the peak (by about 1.4x in the benchmark's median) and so overstated
+        1,200-1,760 GFLOP/s (2 threads) and at 2,400-3,300 from its third call in a row on. Timing the
+        cold calls understated the peak (by 1.2-1.5x in the benchmark's median) and so overstated
         MFU; the peak is the rate the hardware sustains, warm."""
         for (m, k, n), (a, b) in self._operands.items():
             for name, kernel in self.kernels.items():
