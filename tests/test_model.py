@@ -205,7 +205,8 @@ def test_both_loss_kernels_agree_on_bf16_logits(kernel: type[torch.autograd.Func
 def test_the_chunked_kernel_computes_the_loss_and_gradient_to_fp32_rounding(spread: float) -> None:
     """The chunks' log-sum-exp and one-exponential gradient, run on fp32 logits so that bf16 rounding
     hides nothing, against ``F.cross_entropy`` in fp64: 77 rows (two full chunks and a partial one),
-    padding, and logits 300 apart (exp underflows to 0 for most of a row: the max is subtracted)."""
+    padding, and logits 300 apart (exp underflows to 0 for most of a row: the max is subtracted); the
+    logits the kernel was given are left as they were."""
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(77, 50, generator=gen) * spread
     target = torch.randint(1, 50, (77,), generator=gen)
@@ -225,6 +226,7 @@ def test_the_chunked_kernel_computes_the_loss_and_gradient_to_fp32_rounding(spre
     # gradients reach 0.5 * 0.9 (the factor times 1 - eps): 3e-7 is five fp32 ulps at that size
     torch.testing.assert_close(ours.grad.double(), ref_logits.grad, rtol=0, atol=3e-7)
     assert torch.all(ours.grad[5:9] == 0)  # padding rows carry no gradient
+    assert torch.equal(ours.detach(), logits)  # the chunks work in copies: fp32 logits are not overwritten
 
 
 @pytest.mark.parametrize("kind", ["sinusoidal", "shaw+values", "t5", "rope"])
