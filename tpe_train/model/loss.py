@@ -45,11 +45,12 @@ loss and nll sums, the target logits gathered once) is a (N,) vector outside the
 the benchmark's 4,736 rows made about 1,400 scalar casts and 20 small ops each before. Forward +
 backward of 4,736 x 8,000 random bf16 logits took 33 against 41 ms, every gradient bit the same on
 that input (2 threads, Intel Xeon with AMX). In whole bf16 steps the gain is at the machine's noise:
-0.6-2.5% in four of five interleaved A/B runs (14-24 steps each), 1.7% the other way in one. Also measured there and not kept: the same math compiled by ``torch.compile``
-(Inductor: one fused kernel for the whole tensor, dynamic shapes) took 34 ms, no faster than these
-eager chunks, for 2-12 s of compilation in every process; 64-row chunks and ``exp`` in place of
-``exp2`` each gained 2-4 ms there, but 64 rows (2 MB in fp32) outgrow a core's L2 on many CPUs and
-``exp`` was the slower on the AMD EPYC (see above); neither was timed on the EPYC.
+0.6-2.5% in four of five interleaved A/B runs (14-24 steps each), 1.7% the other way in one.
+Also measured there and not kept: the same math compiled by ``torch.compile`` (Inductor: one fused
+kernel for the whole tensor, dynamic shapes) took 34 ms, no faster than these eager chunks, for 2-12
+s of compilation in every process; 64-row chunks and ``exp`` in place of ``exp2`` each gained 2-4 ms
+there, but 64 rows (2 MB in fp32) outgrow a core's L2 on many CPUs and ``exp`` was the slower on the
+AMD EPYC (see above); neither was timed on the EPYC.
 """
 
 from __future__ import annotations
