@@ -250,19 +250,8 @@ def kernel_table(reps: int, rows: int = 1024) -> list[dict[str, Any]]:
             x, w, g = (
                 torch.randn(r, c, generator=gen).to(DEVICE, dtype) for r, c in ((rows, k), (n, k), (rows, n))
             )
-            # a @ b^T for the three products: forward x W^T, input gradient g W, weight gradient g^T x
-            for product, (a, b) in {
-                "forward": (x, w),
-                "input grad": (g, w.t()),
-                "weight grad": (g.t(), x.t()),
-            }.items():
-                fns = {"torch": lambda a=a, b=b: torch.mm(a, b.t())}
-                if dt == "fp32":
-                    fns[other] = lambda a=a, b=b: kernels._mm_t(a, b, True)
-                else:
-                    fns[other] = lambda a=a, b=b, dtype=dtype: kernels._mm_t(
-                        a.float(), b.float(), onednn_faster
-                    ).to(dtype)
+            for product, (torch_fn, other_fn) in _products(x, w, g, dt == "fp32" or onednn_faster).items():
+                fns = {"torch": torch_fn, other: other_fn}
                 times = _time_each(fns, reps)
                 rates = {name: 2 * rows * k * n / t / 1e9 for name, t in times.items()}
                 out.append(
@@ -275,6 +264,20 @@ def kernel_table(reps: int, rows: int = 1024) -> list[dict[str, Any]]:
                     }
                 )
     return out
+
+
+def _products(x: Tensor, w: Tensor, g: Tensor, onednn: bool) -> dict[str, tuple[Any, Any]]:
+    """The forward x W^T, input gradient g W and weight gradient g^T x: PyTorch's kernel, and the
+    other as training computes it (``model/kernels.py``; bf16 widened to fp32 and rounded back)."""
+    up = (lambda t: t.float()) if x.dtype == torch.bfloat16 else (lambda t: t)
+    return {
+        "forward": (lambda: torch.mm(x, w.t()), lambda: kernels._mm_t(up(x), up(w), onednn).to(x.dtype)),
+        "input grad": (lambda: torch.mm(g, w), lambda: kernels._mm_t(up(g), up(w).t(), onednn).to(x.dtype)),
+        "weight grad": (
+            lambda: torch.mm(g.t(), x),
+            lambda: kernels.weight_grad(up(g), up(x), onednn).to(x.dtype),
+        ),
+    }
 
 
 def _time_each(fns: dict[str, Any], reps: int) -> dict[str, float]:

@@ -79,8 +79,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-_MATMULS = {torch.ops.aten.mm.default: (0, 1), torch.ops.aten.addmm.default: (1, 2),
-            torch.ops.aten.bmm.default: (0, 1), torch.ops.aten.baddbmm.default: (1, 2)}  # fmt: skip
+#: GEMM ops of the ops timer: positions of the two operands, and whether the second is (N, K) as
+#: oneDNN's inner product takes it (``model/kernels.py``'s fp32 training products) instead of (K, N).
+_MATMULS = {
+    torch.ops.aten.mm.default: (0, 1, False),
+    torch.ops.aten.addmm.default: (1, 2, False),
+    torch.ops.aten.bmm.default: (0, 1, False),
+    torch.ops.aten.baddbmm.default: (1, 2, False),
+}
+if hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+    _MATMULS[torch.ops.mkldnn._linear_pointwise.default] = (0, 1, True)
 
 
 class OpTimer(TorchDispatchMode):
@@ -97,9 +105,9 @@ class OpTimer(TorchDispatchMode):
         key: tuple[str, ...] = (func.__name__,)
         flops = 0.0
         if func in _MATMULS:
-            i, j = _MATMULS[func]
+            i, j, n_k = _MATMULS[func]
             a, b = args[i], args[j]
-            flops = 2.0 * a.numel() * b.shape[-1]
+            flops = 2.0 * a.numel() * b.shape[0 if n_k else -1]
             layout = "".join("c" if t.is_contiguous() else "t" for t in (a, b))
             key = (
                 func.__name__,
