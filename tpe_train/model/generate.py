@@ -94,15 +94,14 @@ def beam_search_nbest(
         batch = len(alive)
         logits = model.decode(tokens[:, -1:], memory, cache)[:, -1]  # (B*K, V)
         # A sentence's best 2K continuations are among the best 2K of each of its beams: select per
-        # row first, then among the K * 2K survivors (cheaper than adding scores to all K * V). Rows
-        # are ranked on the logits and only the survivors normalised (log p = logit - logsumexp), so
-        # no (B*K, V) log-softmax is written.
-        logits = logits.float()
-        norm = torch.logsumexp(logits, dim=-1, keepdim=True)  # (B*K, 1)
-        eos_lprob = logits[:, args.eos_id] - norm[:, 0]
-        logits[:, args.pad_id] = float("-inf")
-        row_scores, row_tokens = logits.topk(2 * beam, dim=-1)  # (B*K, 2K)
-        row_scores -= norm
+        # row first, then among the K * 2K survivors (cheaper than adding scores to all K * V). The
+        # log-probabilities come from log_softmax's fused kernel, written whole: on the CPU it is
+        # faster than logsumexp alone (log-softmax + top-k of (256, 8,000) fp32 rows, 2 threads:
+        # 3.1-3.3 against 3.9-4.2 ms for logsumexp + top-k of the logits + subtracting the norm).
+        lprobs = torch.log_softmax(logits.float(), dim=-1)  # (B*K, V)
+        eos_lprob = lprobs[:, args.eos_id].clone()
+        lprobs[:, args.pad_id] = float("-inf")
+        row_scores, row_tokens = lprobs.topk(2 * beam, dim=-1)  # (B*K, 2K)
         forced = (limit <= step + 1).repeat_interleave(beam)  # must end now: EOS is the only choice
         if bool(forced.any()):
             row_scores[forced] = float("-inf")
