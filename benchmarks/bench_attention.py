@@ -61,7 +61,6 @@ for path in (ROOT, ROOT / "benchmarks"):
 
 import bench_train  # noqa: E402  (Hugging Face peers, attention names, early-EOS suppression)
 
-from tpe_train import perf  # noqa: E402
 from tpe_train.config import load_config  # noqa: E402
 from tpe_train.data.batching import token_batches  # noqa: E402
 from tpe_train.data.tokenizer import train_tokenizer  # noqa: E402
@@ -71,6 +70,7 @@ from tpe_train.model.generate import beam_search  # noqa: E402
 from tpe_train.model.loss import label_smoothed_loss  # noqa: E402
 from tpe_train.model.transformer import Transformer  # noqa: E402
 from tpe_train.positions import POSITIONS, PositionArgs  # noqa: E402
+from tpe_train.train import throughput as perf  # noqa: E402
 
 PAD, BOS, EOS, FIRST_ID = 0, 1, 2, 4
 DATA = ROOT.parent / "shared" / "data"

@@ -140,7 +140,7 @@ def worker(out_json: Path, work: Path, preset: str) -> None:
     from tpe_train.parallel.context import ParallelContext
     from tpe_train.parallel.deepspeed import deepspeed_config, resolve_layout
     from tpe_train.parallel.engine import Engine
-    from tpe_train.step import inverse_sqrt, train_step
+    from tpe_train.train.step import inverse_sqrt, train_step
 
     overrides = ["train.threads=1", "eval.average_last=1", "train.keep_last=1", "train.clip_norm=0"]
     cfg = load_config(preset, overrides)

@@ -42,8 +42,8 @@ What is measured
    ``vs HF`` = tokens/s of the row / tokens/s of its matching HF model (> 1: tpe_train faster),
    ``vs none`` = step time / step time of tpe ``none`` in the same dtype, MFU = model FLOP/s /
    the measured peak of the row's dtype. The process runs as the trainer does
-   (``tpe_train.perf.configure_cpu``: ``train.cpu_gemm``, allocator), HF rows included.
-3. **Model FLOPs**: ``tpe_train.perf.forward_flops`` (matmul FLOPs, 2 per multiply-add, training =
+   (``tpe_train.train.throughput.configure_cpu``: ``train.cpu_gemm``, allocator), HF rows included.
+3. **Model FLOPs**: ``tpe_train.train.throughput.forward_flops`` (matmul FLOPs, 2 per multiply-add, training =
    3 x forward, padded lengths; formula in that module's docstring). Norms, softmax, the loss,
    position-encoding extras and the optimizer are not counted, so all models of this shape do the
    same "model FLOPs" and MFU is proportional to tokens/s.
@@ -93,13 +93,13 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout without installing the package
     sys.path.insert(0, str(ROOT))
 
-from tpe_train import perf  # noqa: E402
 from tpe_train.model import kernels  # noqa: E402
 from tpe_train.model.args import ModelArgs  # noqa: E402
 from tpe_train.model.generate import beam_search  # noqa: E402
 from tpe_train.model.loss import label_smoothed_loss  # noqa: E402
 from tpe_train.model.transformer import Memory, Transformer  # noqa: E402
 from tpe_train.positions import POSITIONS, PositionArgs  # noqa: E402
+from tpe_train.train import throughput as perf  # noqa: E402
 
 D_MODEL, N_HEADS, FFN_DIM, LAYERS, VOCAB = 256, 4, 1024, 3, 8000
 PAD, BOS, EOS, FIRST_ID = 0, 1, 2, 3

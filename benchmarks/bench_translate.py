@@ -69,10 +69,10 @@ from bench_train import EOS, PAD, VOCAB, hf_model, tpe_model  # noqa: E402
 from tpe_train.config import EvalConfig  # noqa: E402
 from tpe_train.data.batching import pad  # noqa: E402
 from tpe_train.data.tokenizer import decode, encode, train_tokenizer  # noqa: E402
-from tpe_train.decoding import DecodeOptions, decode_sentences, read_lines, token_batches  # noqa: E402
+from tpe_train.evaluation.decoding import DecodeOptions, decode_sentences, read_lines, token_batches  # noqa: E402
+from tpe_train.evaluation.translate import translate_stream  # noqa: E402
 from tpe_train.model import generate  # noqa: E402
 from tpe_train.model.transformer import Memory, Transformer  # noqa: E402
-from tpe_train.translate_cli import translate_stream  # noqa: E402
 
 DEFAULT_SOURCE = Path("../shared/data/newstest2014-en-de/newstest2014.en")
 EOS_PENALTY = 1e4

@@ -5,7 +5,7 @@
     python benchmarks/profile_step.py --timer ops --threads 1   # every op timed directly, GEMMs by shape
 
 The same model, batches, loss and optimizer as ``bench_train.py``'s training rows (``TrainRow``),
-run as the trainer runs (``tpe_train.perf.configure_cpu``). After ``--warmup`` steps, ``--steps``
+run as the trainer runs (``tpe_train.train.throughput.configure_cpu``). After ``--warmup`` steps, ``--steps``
 steps run under ``torch.profiler``; printed:
 
 - the ops with the most self CPU time (their own time, not their children's), with calls and the
@@ -57,7 +57,7 @@ from bench_train import (  # noqa: E402
     tpe_model,
 )
 
-from tpe_train import perf  # noqa: E402
+from tpe_train.train import throughput as perf  # noqa: E402
 
 GEMM = ("aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::_mkldnn_linear",
         "mkldnn::_linear_pointwise", "aten::mkldnn_linear_backward_weights", "aten::mkldnn_linear",

@@ -42,7 +42,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import FrameType
 
-from tpe_train.exits import EXIT_PREEMPTED, EXIT_RECORDS
+from tpe_train.run.exits import EXIT_PREEMPTED, EXIT_RECORDS
 
 JOB_STATUS = "TPE_JOB_STATUS_DIR"  # where each node's tpe-launch run records how its launch ended
 STATUS_DIR = ".tpe-launch"  # under --status-dir: one directory per job attempt, removed after it

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import KINDS, tiny_model
+from support.models import KINDS, tiny_model
 
 import tpe_train.model.attention as attention
 from tpe_train.model.attention import choose_backend

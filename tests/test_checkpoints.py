@@ -299,7 +299,14 @@ def test_the_final_model_is_the_mean_of_the_last_checkpoints_when_asked(tmp_path
     figures = json.loads((run / "eval.json").read_text())  # the averaged model's figures
     assert figures["selected"]["checkpoints"] == ["step-00000002", "step-00000004", "step-00000006"]
     scored = subprocess.run(
-        [sys.executable, "-m", "tpe_train.evaluate", "--checkpoint", str(run / "averaged-last3"), "--json"],
+        [
+            sys.executable,
+            "-m",
+            "tpe_train.evaluation.evaluate",
+            "--checkpoint",
+            str(run / "averaged-last3"),
+            "--json",
+        ],
         capture_output=True,
         text=True,
     )
@@ -326,7 +333,14 @@ def test_tpe_ckpt_list_average_and_export(tmp_path: Path) -> None:
     exp = tpe_ckpt("export", str(run), "--out", str(tmp_path / "exp"))
     assert exp.returncode == 0 and "step-00000006" in exp.stdout
     scored = subprocess.run(
-        [sys.executable, "-m", "tpe_train.evaluate", "--checkpoint", str(tmp_path / "exp"), "--json"],
+        [
+            sys.executable,
+            "-m",
+            "tpe_train.evaluation.evaluate",
+            "--checkpoint",
+            str(tmp_path / "exp"),
+            "--json",
+        ],
         capture_output=True,
         text=True,
     )
@@ -344,7 +358,7 @@ def test_a_tampered_export_is_refused(tmp_path: Path) -> None:
     data[-5] ^= 0x01
     path.write_bytes(bytes(data))
     proc = subprocess.run(
-        [sys.executable, "-m", "tpe_train.evaluate", "--checkpoint", str(run / "checkpoint")],
+        [sys.executable, "-m", "tpe_train.evaluation.evaluate", "--checkpoint", str(run / "checkpoint")],
         capture_output=True,
         text=True,
     )

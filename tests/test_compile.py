@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from conftest import KINDS, tiny_model
+from support.models import KINDS, tiny_model
 
 from tpe_train.config import load_config
 from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
@@ -22,7 +22,7 @@ from tpe_train.model.loss import label_smoothed_loss
 from tpe_train.model.transformer import Transformer
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
-from tpe_train.step import train_step
+from tpe_train.train.step import train_step
 
 VARIANTS = [*KINDS, "shaw+values"]
 

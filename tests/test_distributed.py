@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tpe_train.positions import POSITIONS
 
 ROOT = Path(__file__).resolve().parents[1]
-HARNESS = ROOT / "tests" / "dist_harness.py"
+HARNESS = ROOT / "tests" / "support" / "dist_harness.py"
 
 
 def launch(
@@ -228,7 +228,14 @@ def test_accelerate_launch_of_the_demo_with_zero2(tmp_path: Path) -> None:
     assert 0.0 <= evaluated["bleu"] <= 100.0
     # The export is a plain single-device checkpoint that tpe-eval reads.
     check = subprocess.run(
-        [sys.executable, "-m", "tpe_train.evaluate", "--checkpoint", str(run_dir / "checkpoint"), "--json"],
+        [
+            sys.executable,
+            "-m",
+            "tpe_train.evaluation.evaluate",
+            "--checkpoint",
+            str(run_dir / "checkpoint"),
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=300,

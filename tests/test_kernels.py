@@ -21,7 +21,7 @@ from tpe_train.model.args import ModelArgs
 from tpe_train.model.transformer import Transformer
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
-from tpe_train.step import train_step
+from tpe_train.train.step import train_step
 
 PRESETS = [
     "demo",
@@ -222,7 +222,7 @@ def test_20_bf16_steps_widened_follow_pytorchs_bf16_kernels(cpu_gemm: None) -> N
 
 
 def test_model_flops_and_a_measured_peak() -> None:
-    from tpe_train import perf
+    from tpe_train.train import throughput as perf
 
     # The benchmark's shape (d 256, FFN 1024, 3 + 3 layers, vocabulary 8,000) at padded lengths 36 / 37:
     # encoder 3 x (8·36·256² + 4·36²·256 + 4·36·256·1024), ..., output 2·37·256·8000 (by hand).
@@ -242,7 +242,7 @@ def test_model_flops_and_a_measured_peak() -> None:
 def test_the_peak_times_each_kernel_only_after_untimed_calls() -> None:
     """AMX runs a product's first calls after other work at about half its rate: those calls are
     made, and not timed, before the timed ones (``warm``)."""
-    from tpe_train import perf
+    from tpe_train.train import throughput as perf
 
     calls: list[float] = []
     peak = perf.Peak(torch.float32, torch.device("cpu"), {"counted": torch.nn.functional.linear}, [(8, 4, 6)])
@@ -256,8 +256,8 @@ def test_the_peak_times_each_kernel_only_after_untimed_calls() -> None:
 def test_a_peak_measured_while_the_cores_were_busy_is_measured_again(monkeypatch: pytest.MonkeyPatch) -> None:
     """A run that measured its GEMM peak while another process had the cores (two study runs starting
     together) would report MFU above one: the meter measures again, and never reports above one."""
-    from tpe_train import perf
     from tpe_train.data.batching import Batch
+    from tpe_train.train import throughput as perf
 
     rates = iter([1.0, 2.0])  # GFLOP/s: start-up (busy cores), then the second measurement
     monkeypatch.setattr(perf.Peak, "gflops", lambda self, statistic=max: next(rates))

@@ -31,8 +31,8 @@ from launcher.plan import (
     sweep_overrides,
 )
 from launcher.submit import array_indices, render, time_seconds
-from tpe_train.exits import EXIT_PREEMPTED
 from tpe_train.positions import POSITIONS
+from tpe_train.run.exits import EXIT_PREEMPTED
 
 
 def slurm_env(**kw: str) -> dict[str, str]:
@@ -313,7 +313,7 @@ def test_run_dry_run_from_a_fake_allocation(
 FAKE_LAUNCH = textwrap.dedent(
     """
     import os, signal, subprocess, sys, time
-    from tpe_train.exits import preempted_exit
+    from tpe_train.run.exits import preempted_exit
     if sys.argv[1] == "agent":
         rank = subprocess.Popen([sys.executable, __file__, "rank", *sys.argv[2:]])
         sys.exit(0 if rank.wait() == 0 else 1)

@@ -26,7 +26,7 @@ def test_model_and_positions_import_only_torch_and_each_other() -> None:
             for name in imports(path):
                 top = name.split(".")[0]
                 if top == "tpe_train":
-                    allowed = ("tpe_train.model", "tpe_train.positions", "tpe_train.registry")
+                    allowed = ("tpe_train.model", "tpe_train.positions", "tpe_train.positions.registry")
                     assert name.startswith(allowed), f"{path.name} imports {name}"
                 else:
                     # torch and small parts of the standard library (the packed-inference scope of
@@ -55,16 +55,61 @@ def test_parallel_never_imports_model_and_model_never_imports_parallel() -> None
             assert "torch.distributed" not in found, path
 
 
-def test_nothing_imports_train() -> None:
-    for path in PKG.rglob("*.py"):
-        if path.name != "train.py":
-            assert "tpe_train.train" not in imports(path), path
+#: The layers, bottom up: what each folder of the package may import from the others (docs/architecture.md).
+BELOW = {
+    "run": set(),  # torch-free: the launcher imports it
+    "positions": set(),
+    "model": {"positions"},
+    "config": {"model", "positions"},
+    "data": {"config", "model", "positions"},
+    "parallel": {"config", "data", "positions"},  # never model: it names modules by pattern
+    "ckpt": {"config", "data", "model", "parallel", "positions", "run"},
+    "evaluation": {"ckpt", "config", "data", "model", "parallel", "positions", "run"},
+    "train": {"ckpt", "config", "data", "evaluation", "model", "parallel", "positions", "run"},
+    "study": {"ckpt", "config", "data", "evaluation", "model", "parallel", "positions", "run"},
+}
+
+
+def test_the_package_root_holds_folders_only_each_a_layer() -> None:
+    assert [p.name for p in PKG.glob("*.py")] == ["__init__.py"]
+    folders = {p.name for p in PKG.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert folders == set(BELOW)
+
+
+def test_imports_run_down_the_layers_only() -> None:
+    for folder, allowed in BELOW.items():
+        for path in (PKG / folder).rglob("*.py"):
+            for name in imports(path):
+                parts = name.split(".")
+                if parts[0] == "tpe_train" and len(parts) > 1 and parts[1] != folder:
+                    assert parts[1] in allowed, (
+                        f"{path.relative_to(ROOT)} imports {name}; {folder}/ may import {sorted(allowed)}"
+                    )
+
+
+def test_the_run_layer_needs_no_torch() -> None:
+    for path in (PKG / "run").rglob("*.py"):
+        assert not any(n.split(".")[0] in {"torch", "numpy", "deepspeed"} for n in imports(path)), path
+
+
+def test_nothing_imports_the_training_loop() -> None:
+    for path in [*PKG.rglob("*.py"), *(ROOT / "launcher").rglob("*.py")]:
+        if path.parent != PKG / "train":
+            assert not any(n.startswith("tpe_train.train") for n in imports(path)), path
+
+
+def test_every_console_script_is_a_cli_module() -> None:
+    text = (ROOT / "pyproject.toml").read_text()
+    scripts = text.split("[project.scripts]")[1].split("\n[")[0]
+    targets = re.findall(r'= "([\w.]+):\w+"', scripts)
+    assert len(targets) == 7
+    assert all(target.endswith(".cli") for target in targets), targets
 
 
 def test_files_stay_small() -> None:
     for path in PKG.rglob("*.py"):
         assert len(path.read_text().splitlines()) <= 600, path
-    assert len((PKG / "train.py").read_text().splitlines()) <= 300
+    assert len((PKG / "train" / "loop.py").read_text().splitlines()) <= 300
 
 
 def test_ci_runs_the_readme_test_command() -> None:

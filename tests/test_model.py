@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import KINDS, tiny_model
+from support.models import KINDS, tiny_model
 
 from tpe_train.model.generate import beam_search, greedy
 from tpe_train.model.loss import _ChunkedSmoothedCE, _SmoothedCE, label_smoothed_loss, loss_kernel
@@ -362,7 +362,7 @@ def test_training_with_q_k_v_as_one_product_follows_separate_products(cast: bool
     the losses and every parameter's gradient of three products per layer, within rounding (fp32:
     1e-5 relative; bf16 autocast: the rounding of bf16 products, 2e-2 of the largest gradient), and
     one product where there were three (the autograd graph's linear nodes)."""
-    from dist_harness import graph_nodes
+    from support.dist_harness import graph_nodes
 
     from tpe_train.model import kernels
     from tpe_train.model.attention import Attention

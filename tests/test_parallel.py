@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import tiny_model
 from datasets import Dataset
+from support.models import tiny_model
 
 from tpe_train.config import ConfigError, load_config
 from tpe_train.data.batching import collate

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 import pytest
 import torch
-from conftest import tiny_model
+from support.models import tiny_model
 
 from tpe_train.positions import POSITIONS, PositionArgs, build_position
 from tpe_train.positions.absolute import sinusoid_table

@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 
 import torch
-from conftest import tiny_model
+from support.models import tiny_model
 
 from tpe_train.positions import base
 

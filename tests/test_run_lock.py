@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_checkpoints import SMALL, samples, steps_of, train
 
-from tpe_train.run_lock import LOCK_NAME, RunDirBusy, RunLock, scope_warning
+from tpe_train.run.lock import LOCK_NAME, RunDirBusy, RunLock, scope_warning
 
 ROOT = Path(__file__).resolve().parents[1]
 

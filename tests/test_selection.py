@@ -11,9 +11,10 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_checkpoints import exported, steps_of, train, weights
 
+from tpe_train.ckpt.state import Best
 from tpe_train.config import load_config
 from tpe_train.parallel.context import ParallelContext
-from tpe_train.selection import Best, observe
+from tpe_train.train.selection import observe
 
 # A high constant learning rate: the validation loss falls for a few steps, then wanders above its best.
 NOISY = [

@@ -1,5 +1,5 @@
-"""The launch layer on a real Slurm cluster: two slurmd on this host (tests/slurm_cluster.py), the real
-templates of slurm/, ``tpe-launch submit``, CPU processes over gloo.
+"""The launch layer on a real Slurm cluster: two slurmd on this host (tests/support/slurm_cluster.py),
+the real templates of slurm/, ``tpe-launch submit``, CPU processes over gloo.
 
 Each job trains the demo preset for a few steps on a tiny corpus; the token store lives in the
 test's temporary directory (``TPE_DATA_CACHE``).
@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from slurm_cluster import SlurmCluster, slurm_fixture  # noqa: F401  (the session fixture `slurm`)
+from support.slurm_cluster import SlurmCluster, slurm_fixture  # noqa: F401  (the session fixture `slurm`)
 
 TINY = [
     "data.synthetic.train_size=1500",

@@ -21,9 +21,9 @@ from safetensors.torch import load_file
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_checkpoints import weights
 
-from tpe_train.decoding import read_lines
-from tpe_train.evaluate import EvalFiles
-from tpe_train.metrics import (
+from tpe_train.evaluation.decoding import read_lines
+from tpe_train.evaluation.evaluate import EvalFiles
+from tpe_train.evaluation.metrics import (
     compound_split,
     lc_tokenized_bleu,
     moses_tokenize,

@@ -101,7 +101,14 @@ def test_without_a_progress_bar_the_log_gets_a_line_per_log_every_and_validation
 
 def test_tpe_eval_json(run_dir: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "tpe_train.evaluate", "--checkpoint", str(run_dir / "checkpoint"), "--json"],
+        [
+            sys.executable,
+            "-m",
+            "tpe_train.evaluation.evaluate",
+            "--checkpoint",
+            str(run_dir / "checkpoint"),
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=300,
@@ -120,7 +127,7 @@ def test_tpe_eval_json(run_dir: Path) -> None:
 
 def test_tpe_eval_rejects_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "tpe_train.evaluate", "--checkpoint", str(tmp_path)],
+        [sys.executable, "-m", "tpe_train.evaluation.evaluate", "--checkpoint", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -132,7 +139,7 @@ def test_tpe_eval_rejects_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -
 @pytest.mark.parametrize("device", ["cuda:99", "potato"])
 def test_tpe_eval_refuses_a_device_it_cannot_use(run_dir: Path, device: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "tpe_train.evaluate", "--checkpoint", str(run_dir / "checkpoint"),
+        [sys.executable, "-m", "tpe_train.evaluation.evaluate", "--checkpoint", str(run_dir / "checkpoint"),
          "--device", device],
         capture_output=True,
         text=True,

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import torch
-from conftest import tiny_model
+from support.models import tiny_model
 
 from tpe_train.config import load_config
 from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
-from tpe_train.step import inverse_sqrt, train_step
+from tpe_train.train.step import inverse_sqrt, train_step
 
 
 def batch(rows: list[list[int]]) -> Batch:

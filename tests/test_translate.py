@@ -16,11 +16,11 @@ from sacrebleu.metrics import BLEU
 from sacrebleu.significance import PairedTest
 
 from tpe_train.ckpt.export import build_model, load_export, save_export
-from tpe_train.decoding import read_lines, token_batches
-from tpe_train.evaluate import EvalFiles, config_sets
-from tpe_train.evaluate import main as eval_main
-from tpe_train.metrics import paired_bootstrap
-from tpe_train.translate_cli import main as translate_main
+from tpe_train.evaluation.decoding import read_lines, token_batches
+from tpe_train.evaluation.evaluate import EvalFiles, config_sets
+from tpe_train.evaluation.evaluate import main as eval_main
+from tpe_train.evaluation.metrics import paired_bootstrap
+from tpe_train.evaluation.translate import main as translate_main
 
 # The demo preset at a small size, learned positions of 48 rows (so a long line is too long for it).
 TINY = [
@@ -100,7 +100,7 @@ def test_translate_gives_what_evaluation_scored_for_a_file_and_for_stdin(
     assert translate_main(["--checkpoint", str(ckpt), "-i", str(src), "-o", str(out)]) == 0
     assert read_lines(out) == scored
     proc = subprocess.run(
-        [sys.executable, "-m", "tpe_train.translate_cli", "--checkpoint", str(ckpt)],
+        [sys.executable, "-m", "tpe_train.evaluation.translate", "--checkpoint", str(ckpt)],
         input=src.read_bytes(),
         capture_output=True,
         timeout=300,

@@ -65,6 +65,8 @@ def test_wmt14_base_preset_prepares_trains_resumes_averages_and_evaluates(tmp_pa
     figures = json.loads((run / "eval.json").read_text())
     assert figures["test_sentences"] == 100 and 0 <= figures["bleu"] <= 100
     assert "bleu_tokenized" in figures  # the papers' figure beside sacreBLEU, as the preset promises
-    limited = _run("tpe_train.evaluate", "--checkpoint", str(final), "--limit", "30", "--beam", "2", "--json")
+    limited = _run(
+        "tpe_train.evaluation.evaluate", "--checkpoint", str(final), "--limit", "30", "--beam", "2", "--json"
+    )
     result = json.loads(limited.stdout)
     assert list(result["sets"]) == ["test[:30]"] and result["test_sentences"] == 30

@@ -61,7 +61,21 @@ from tpe_train.data.corpus import TrainBatches
 from tpe_train.data.tokenizer import vocab_hash
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
-from tpe_train.selection import Best, from_trainer
+
+
+@dataclass
+class Best:
+    """The best validation so far and the validations since it: trainer state, so that a resumed run
+    selects and stops early exactly where an uninterrupted one does (the policy: ``train.selection``)."""
+
+    step: int = 0  # step of the best validation (0: none yet)
+    value: float | None = None  # its eval.select_by figure
+    stale: int = 0  # validations since it without improvement (early stopping counts these)
+
+
+def best_of(trainer: dict[str, Any]) -> Best:
+    """The state saved in a checkpoint's ``trainer.json`` (none in checkpoints older than this)."""
+    return Best(**trainer["best"]) if trainer.get("best") else Best()
 
 
 @dataclass
@@ -70,7 +84,7 @@ class Progress:
 
     step: int = 0
     tokens: float = 0.0  # target tokens trained on, over all ranks
-    best: Best = field(default_factory=Best)  # model selection and early stopping (``selection``)
+    best: Best = field(default_factory=Best)  # model selection and early stopping (``train.selection``)
 
 
 def layout_of(ctx: ParallelContext, zero_stage: int | None) -> dict[str, Any]:
@@ -302,7 +316,7 @@ class Checkpointer:
         scheduler.load_state_dict({**scheduler.state_dict(), **trainer["scheduler"]})
         engine.set_lr(scheduler.get_last_lr())
         _set_loss_scaler(engine, trainer.get("loss_scaler"))
-        progress = Progress(int(trainer["step"]), float(trainer["tokens"]), best=from_trainer(trainer))
+        progress = Progress(int(trainer["step"]), float(trainer["tokens"]), best=best_of(trainer))
         rank_state = json.loads(mine.read_text()) if same_layout or per_rank else {}
         self.batches.load_state_dict(rank_state["data"] if per_rank else trainer["data"])
         if same_layout:

@@ -1,5 +1,7 @@
 """``python -m tpe_train.config > docs/config.md``."""
 
-from tpe_train.config.reference import markdown_reference
+import sys
 
-print(markdown_reference(), end="")
+from tpe_train.config.cli import main
+
+sys.exit(main())

@@ -8,8 +8,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from tpe_train.data.clean import CleanSpec
-from tpe_train.data.sources import SourceSpec
 from tpe_train.model.args import ModelArgs
 from tpe_train.positions import POSITIONS, PositionArgs
 
@@ -254,29 +252,6 @@ class DataConfig(Section):
         if self.src_lang == self.tgt_lang:
             raise ValueError(f"data.src_lang and data.tgt_lang are both {self.src_lang!r}; set two languages")
         return self
-
-    def source(self) -> SourceSpec:
-        """Where a real corpus lives, for ``tpe_train.data.sources``."""
-        return SourceSpec(
-            kind=self.corpus,
-            src_lang=self.src_lang,
-            tgt_lang=self.tgt_lang,
-            path=self.path,
-            hub_id=self.hub_id,
-            hub_config=self.hub_config,
-            cache_dir=self.cache_dir,
-            bad_utf8=self.bad_utf8,
-        )
-
-    def cleaning(self) -> CleanSpec:
-        c = self.clean
-        return CleanSpec(
-            normalize=c.normalize,
-            min_words=c.min_words,
-            max_words=c.max_words,
-            max_ratio=c.max_ratio,
-            dedup=c.dedup,
-        )
 
 
 class TrainConfig(Section):

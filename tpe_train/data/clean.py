@@ -14,6 +14,8 @@ from dataclasses import dataclass
 
 from datasets import Dataset, IterableDataset
 
+from tpe_train.config import CleanConfig
+
 REASONS = ("empty", "too_short", "too_long", "ratio", "duplicate")
 
 
@@ -26,6 +28,17 @@ class CleanSpec:
     max_words: int = 250
     max_ratio: float = 9.0  # 0: no ratio filter
     dedup: bool = False
+
+
+def clean_spec(c: CleanConfig) -> CleanSpec:
+    """The cleaning the ``data.clean`` section asks for."""
+    return CleanSpec(
+        normalize=c.normalize,
+        min_words=c.min_words,
+        max_words=c.max_words,
+        max_ratio=c.max_ratio,
+        dedup=c.dedup,
+    )
 
 
 def _normalize_text(text: str, form: str) -> str:

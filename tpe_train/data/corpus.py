@@ -13,8 +13,8 @@ from tokenizers import Tokenizer
 
 from tpe_train.data import synthetic
 from tpe_train.data.batching import EOS_ID, Batch, BatchIterator, BatchState, collate, length_arrays
-from tpe_train.data.clean import CleanSpec, clean, clean_stream, format_report
-from tpe_train.data.sources import CorpusError, load_split, stream_split
+from tpe_train.data.clean import CleanSpec, clean, clean_spec, clean_stream, format_report
+from tpe_train.data.sources import CorpusError, load_split, source_spec, stream_split
 from tpe_train.data.store import load_store, store_path, write_store
 from tpe_train.data.streaming import StreamingBatches
 from tpe_train.data.tokenizer import encode, load_tokenizer, train_tokenizer, vocab_hash
@@ -80,12 +80,12 @@ def corpus_splits(cfg: DataConfig) -> Splits:
     stripped, so that scores are on the references as published."""
     if cfg.corpus == "synthetic":
         return synthetic_splits(cfg)
-    spec = cfg.source()
+    spec = source_spec(cfg)
     train = loaded_train = load_split(spec, cfg.train_split)
     valid = loaded_valid = load_split(spec, cfg.valid_split)
     test = load_split(spec, cfg.test_split)
     before = len(train)
-    train, dropped = clean(train, cfg.cleaning(), num_proc=cfg.num_proc)
+    train, dropped = clean(train, clean_spec(cfg.clean), num_proc=cfg.num_proc)
     report = [format_report(cfg.train_split, before, dropped)]
     if len(train) == 0:
         raise CorpusError(
@@ -103,7 +103,7 @@ def test_splits(cfg: DataConfig) -> Splits:
     if cfg.corpus == "synthetic":
         return synthetic_splits(cfg)
     empty = _pairs_dataset([])
-    return Splits(empty, empty, pairs_of(load_split(cfg.source(), cfg.test_split)))
+    return Splits(empty, empty, pairs_of(load_split(source_spec(cfg), cfg.test_split)))
 
 
 def token_features(vocab_size: int, text: bool) -> Features:
@@ -180,7 +180,7 @@ def train_stream(cfg: DataConfig) -> IterableDataset:
     """The training split as a cleaned stream (data.streaming)."""
     if cfg.corpus == "synthetic":
         return _pairs_dataset(_synthetic_train(cfg)).to_iterable_dataset(num_shards=8)
-    return clean_stream(stream_split(cfg.source(), cfg.train_split), cfg.cleaning())
+    return clean_stream(stream_split(source_spec(cfg), cfg.train_split), clean_spec(cfg.clean))
 
 
 def _build_streaming(cfg: DataConfig, path: Path) -> Prepared:
@@ -188,7 +188,7 @@ def _build_streaming(cfg: DataConfig, path: Path) -> Prepared:
     validation set; training pairs are read, cleaned and tokenised on the fly."""
     splits = synthetic_splits(cfg) if cfg.corpus == "synthetic" else test_splits(cfg)
     if cfg.corpus != "synthetic":
-        splits.valid = load_split(cfg.source(), cfg.valid_split)
+        splits.valid = load_split(source_spec(cfg), cfg.valid_split)
     sample = Dataset.from_list(list(train_stream(cfg).take(cfg.tokenizer_sample)))
     tok = train_tokenizer(_texts(sample), cfg.vocab_size, cfg.tokenizer)
     empty = to_dataset(_pairs_dataset([]), tok)

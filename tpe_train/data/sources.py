@@ -19,6 +19,8 @@ from typing import Any
 import datasets
 from datasets import Dataset, IterableDataset
 
+from tpe_train.config import DataConfig
+
 
 class CorpusError(ValueError):
     """Bad corpus input, with a message naming the file (or split, or language) and the fix."""
@@ -40,6 +42,20 @@ class SourceSpec:
     @property
     def config_name(self) -> str:
         return self.hub_config or "-".join(sorted((self.src_lang, self.tgt_lang)))
+
+
+def source_spec(cfg: DataConfig) -> SourceSpec:
+    """Where the ``data`` section's real corpus lives."""
+    return SourceSpec(
+        kind=cfg.corpus,
+        src_lang=cfg.src_lang,
+        tgt_lang=cfg.tgt_lang,
+        path=cfg.path,
+        hub_id=cfg.hub_id,
+        hub_config=cfg.hub_config,
+        cache_dir=cfg.cache_dir,
+        bad_utf8=cfg.bad_utf8,
+    )
 
 
 def load_split(spec: SourceSpec, split: str) -> Dataset:

@@ -28,7 +28,7 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from tpe_train.registry import Registry
+from tpe_train.positions.registry import Registry
 
 #: FlexAttention's score_mod: (score, batch, head, q_idx, kv_idx) -> modified score (0-d tensors)
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]

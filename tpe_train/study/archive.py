@@ -28,7 +28,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 from tpe_train.ckpt.rundir import RunDir
-from tpe_train.evaluate import EvalFiles
+from tpe_train.evaluation.evaluate import EvalFiles
 from tpe_train.study.grid import MANIFEST, RUN_LOG, Study, StudyError
 from tpe_train.study.results import POSITION_TABLES, Run, gather
 

@@ -22,7 +22,7 @@ import sys
 from pathlib import Path
 from typing import NoReturn
 
-from tpe_train.run_lock import RunDirBusy, RunLock
+from tpe_train.run.lock import RunDirBusy, RunLock
 from tpe_train.study.grid import ENCODINGS, Study, StudyError, parse_seeds, parse_setting
 
 
@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if command is None:
         print(f"tpe-study: unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    from tpe_train.exits import EXIT_PREEMPTED
+    from tpe_train.run.exits import EXIT_PREEMPTED
     from tpe_train.study.runner import StudyPreempted
 
     try:

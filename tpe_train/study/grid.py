@@ -28,7 +28,7 @@ from typing import Any
 
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.config import Config, ConfigError, load_config
-from tpe_train.evaluate import EvalFiles
+from tpe_train.evaluation.evaluate import EvalFiles
 from tpe_train.positions import POSITIONS
 
 #: The encodings in the order of the README's table; the default grid of ``tpe-study run``.

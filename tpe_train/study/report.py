@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from tpe_train.metrics import PairedResult
+from tpe_train.evaluation.metrics import PairedResult
 from tpe_train.study.grid import Study
 from tpe_train.study.results import (
     FIGURES,

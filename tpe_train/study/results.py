@@ -18,9 +18,9 @@ from torch import Tensor
 from tpe_train.ckpt.export import WEIGHTS
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.config import Config, validate
-from tpe_train.decoding import read_lines
-from tpe_train.evaluate import EvalFiles
-from tpe_train.metrics import PairedResult, paired_bootstrap
+from tpe_train.evaluation.decoding import read_lines
+from tpe_train.evaluation.evaluate import EvalFiles
+from tpe_train.evaluation.metrics import PairedResult, paired_bootstrap
 from tpe_train.study.grid import RUN_LOG, Setting, Study, parse_setting
 
 #: The headline figures of eval.json: key -> (column, scale for display, unit).

@@ -31,8 +31,8 @@ from typing import TYPE_CHECKING
 import yaml
 
 from tpe_train.ckpt.rundir import RunDir
-from tpe_train.evaluate import EvalFiles
-from tpe_train.exits import EXIT_PREEMPTED
+from tpe_train.evaluation.evaluate import EvalFiles
+from tpe_train.run.exits import EXIT_PREEMPTED
 from tpe_train.study.grid import RUN_LOG, Setting, Study, StudyError
 
 if TYPE_CHECKING:
@@ -250,8 +250,8 @@ def average_and_evaluate(study: Study, setting: Setting, seed: int, say: Print =
 
     from tpe_train.ckpt.export import export_mean, load_export
     from tpe_train.ckpt.store import entries
-    from tpe_train.decoding import device_from_arg
-    from tpe_train.evaluate import config_sets, evaluate
+    from tpe_train.evaluation.decoding import device_from_arg
+    from tpe_train.evaluation.evaluate import config_sets, evaluate
 
     run_dir = study.run_dir(setting, seed)
     chosen = [e.path for e in entries(RunDir(run_dir).checkpoints) if e.complete][-study.average :]

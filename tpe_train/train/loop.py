@@ -8,9 +8,7 @@ clip, step, log, validate, checkpoint; a preemption signal saves and exits) -> e
 
 from __future__ import annotations
 
-import argparse
 import json
-import os
 import signal
 import sys
 from pathlib import Path
@@ -21,24 +19,25 @@ import torch.distributed as dist
 from torch.utils.tensorboard import SummaryWriter
 from tqdm import tqdm
 
-from tpe_train import run_lock, selection
 from tpe_train.ckpt.export import build_model, export_mean, load_export, parameter_count
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.ckpt.state import Checkpointer, Progress
 from tpe_train.ckpt.store import CheckpointError, check_compatible, latest_complete, resume_choice
-from tpe_train.config import Config, ConfigError, load_config
+from tpe_train.config import Config
 from tpe_train.data.corpus import Prepared, TrainBatches, prepare
-from tpe_train.data.sources import CorpusError
-from tpe_train.evaluate import EvalFiles, config_sets, evaluate, format_table
-from tpe_train.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED, preempted_exit
+from tpe_train.evaluation.evaluate import EvalFiles, config_sets, evaluate, format_table
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layout
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report
 from tpe_train.parallel.plan import shard_positions
-from tpe_train.perf import Throughput, configure_cpu
-from tpe_train.scalars import log_line, write_scalars
-from tpe_train.step import inverse_sqrt, seed_everything, train_step, validate
+from tpe_train.run import lock as run_lock
+from tpe_train.run.exits import EXIT_PREEMPTED
+from tpe_train.train import selection
+from tpe_train.train.cadence import Cadence
+from tpe_train.train.scalars import log_line, write_scalars
+from tpe_train.train.step import inverse_sqrt, seed_everything, train_step, validate
+from tpe_train.train.throughput import Throughput, configure_cpu
 
 
 class Preempted(Exception):
@@ -168,6 +167,7 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
     show = cfg.train.progress and ctx.is_main and sys.stderr.isatty()
     lines = ctx.is_main and not show  # a log (Slurm, nohup, a pipe) gets a line per log_every instead
     bar = tqdm(total=cfg.train.max_steps, initial=progress.step, disable=not show, dynamic_ncols=True)
+    cadence = Cadence.of(cfg.train)
     meter = Throughput.of_run(cfg, data.tokenizer.get_vocab_size(), ctx)  # tokens/s, MFU
     stop = selection.exhausted(progress.best, cfg.train.patience)  # a resumed run that stopped early
     for step in range(progress.step + 1, cfg.train.max_steps + 1):
@@ -180,7 +180,7 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
         if samples is not None:
             samples.write(json.dumps({"step": step, "ids": [int(i) for b in micro for i in b.ids]}) + "\n")
             samples.flush()
-        if step % cfg.train.log_every == 0 or step == cfg.train.max_steps:
+        if cadence.should_log(step):
             scalars = {
                 "train/loss": stats["loss"],
                 "train/nll": stats["nll"],
@@ -193,20 +193,14 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
             if lines:
                 print(log_line(step, cfg.train.max_steps, scalars), flush=True)
         save_best = False  # eval.select=best: the best validation's checkpoint is saved at once
-        if step % cfg.train.valid_every == 0 or step == cfg.train.max_steps:
+        if cadence.should_validate(step):
             figures = validate(engine, data, cfg, ctx, cast)
             write_scalars(writer, figures, step)
             if ctx.is_main:
                 tqdm.write(log_line(step, cfg.train.max_steps, figures))
             save_best, stop = selection.observe(progress.best, figures, cfg, step, ctx)
         preempted = ctx.any(signals.received is not None)
-        if (
-            preempted
-            or stop
-            or save_best
-            or step == cfg.train.max_steps
-            or (cfg.train.save_every and step % cfg.train.save_every == 0)
-        ):
+        if cadence.should_save(step, stopping=preempted or stop, new_best=save_best):
             path = checkpointer.save(progress, wait=preempted)  # in the background with train.async_save
             if ctx.is_main:
                 tqdm.write(f"tpe-train: checkpoint {path}")
@@ -252,39 +246,3 @@ def _sample_log(cfg: Config, ctx: ParallelContext) -> Any:
     path = RunDir(cfg.run_dir()).samples(ctx.dp_rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     return open(path, "a")  # kept open for the whole run
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="tpe-train",
-        description="Train an encoder-decoder Transformer. Without arguments: the demo preset.",
-        epilog="Example: tpe-train --preset demo model.position.kind=rope train.max_steps=200. "
-        f"Exit status: 0 done, 2 bad config/data/checkpoint, {EXIT_PREEMPTED} preempted (checkpoint saved).",
-    )
-    parser.add_argument("--preset", default="demo", help="preset name in configs/presets or a YAML path")
-    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.position.kind=rope")
-    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
-    return parser.parse_args(argv)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``tpe-train`` and ``python -m tpe_train.train``."""
-    args = parse_args(argv)
-    main_rank = os.environ.get("RANK", "0") == "0"  # every rank finds the error; one reports it
-    try:
-        cfg = load_config(args.preset, args.overrides)
-        if args.print_config:
-            print(cfg.to_yaml(), end="")
-            return 0
-        run(cfg)
-    except (ConfigError, CorpusError, CheckpointError, run_lock.RunDirBusy) as err:  # reported, no traceback
-        if main_rank and not getattr(err, "reported", False):
-            print(f"tpe-train: {err}", file=sys.stderr)
-        return EXIT_BAD_INPUT
-    except Preempted:
-        return preempted_exit()  # 75, and the node's launcher is told this rank's checkpoint is complete
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The checks that need a GPU, as one script: ``python tests/gpu_check.py OUT_DIR`` on a machine with at
+"""The checks that need a GPU, as one script: ``python benchmarks/gpu_check.py OUT_DIR`` on a machine with at
 least one CUDA GPU. Not collected by pytest (CI has no GPU); docs/gpu.md records what it printed.
 
 1. the demo, one process on the GPU with bf16 autocast: trained, exported, evaluated on the GPU;
@@ -97,7 +97,7 @@ def main(out: Path) -> int:
     # 3. tpe-eval on the GPU and on the CPU: the same figures up to float rounding in the search.
     results = {}
     for device in ("cuda", "cpu"):
-        code, text, wall = run([py, "-m", "tpe_train.evaluate", "--checkpoint", str(demo / "checkpoint"),
+        code, text, wall = run([py, "-m", "tpe_train.evaluation", "--checkpoint", str(demo / "checkpoint"),
                                 "--json", "--device", device], out / f"eval_{device}.log")  # fmt: skip
         results[device] = (json.loads(text.strip().splitlines()[-1]) if code == 0 else {}, wall)
     gpu, cpu = results["cuda"][0], results["cpu"][0]

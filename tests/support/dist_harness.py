@@ -1,8 +1,9 @@
 """Run under ``accelerate launch`` by tests/test_distributed.py: real engines, real process groups.
 
-    accelerate launch --config_file X.yaml tests/dist_harness.py tp OUT.json [kinds...]
-    accelerate launch --config_file X.yaml tests/dist_harness.py tp-flex OUT.json [kinds...]
-    accelerate launch --config_file X.yaml tests/dist_harness.py zero OUT.json STEPS [CPU_GEMM] [compile]
+    accelerate launch --config_file X.yaml tests/support/dist_harness.py tp OUT.json [kinds...]
+    accelerate launch --config_file X.yaml tests/support/dist_harness.py tp-flex OUT.json [kinds...]
+    accelerate launch --config_file X.yaml tests/support/dist_harness.py \
+        zero OUT.json STEPS [CPU_GEMM] [compile]
 
 ``tp``: for each encoding, one training step of the tensor-parallel engine the launch file describes,
 and the same step of one plain process on the same batch; records both losses and gradient norms
@@ -36,7 +37,7 @@ from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layou
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report, optimizer_state_bytes
 from tpe_train.parallel.plan import shard_positions
-from tpe_train.step import batch_loss, train_step
+from tpe_train.train.step import batch_loss, train_step
 
 VOCAB = 64
 

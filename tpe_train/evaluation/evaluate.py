@@ -17,26 +17,28 @@ significance tests pair runs without decoding again.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
 from tokenizers import Tokenizer
 
-from tpe_train import metrics
 from tpe_train.ckpt.rundir import EVAL
-from tpe_train.config import ConfigError, DataConfig, EvalConfig
+from tpe_train.config import DataConfig, EvalConfig
 from tpe_train.data.corpus import Splits, pairs_of, synthetic_splits, test_splits
-from tpe_train.data.sources import CorpusError, load_split
+from tpe_train.data.sources import CorpusError, load_split, source_spec
 from tpe_train.data.synthetic import Pair
-from tpe_train.decoding import DecodeOptions, InputError, decode_sentences, device_from_arg, read_lines
+from tpe_train.evaluation import metrics
+from tpe_train.evaluation.decoding import (
+    DecodeOptions,
+    InputError,
+    decode_sentences,
+    read_lines,
+)
 from tpe_train.model.transformer import Transformer
 
 
@@ -61,7 +63,7 @@ def config_sets(cfg: DataConfig, splits: Splits | None = None) -> list[TestSet]:
 def corpus_sets(cfg: DataConfig, names: Sequence[str]) -> list[TestSet]:
     """Named splits of the config's corpus, each a test set (``CorpusError`` for a missing one)."""
     if cfg.corpus != "synthetic":
-        return [TestSet(name, pairs_of(load_split(cfg.source(), name))) for name in names]
+        return [TestSet(name, pairs_of(load_split(source_spec(cfg), name))) for name in names]
     splits = synthetic_splits(cfg)
     known = {cfg.train_split: splits.train, cfg.valid_split: splits.valid}
     sets = []
@@ -317,109 +319,3 @@ def format_comparison(tests: dict[str, metrics.PairedResult], system: str, basel
         lines.append(f"sacreBLEU: {result.signatures['bleu']}")
         blocks.append("\n".join(lines))
     return "\n\n".join(blocks)
-
-
-# --------------------------------------------------------------------------------------------------
-# tpe-eval
-
-
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        prog="tpe-eval", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument(
-        "--checkpoint", required=True, help="an export (<run_dir>/checkpoint, tpe-ckpt average)"
-    )
-    parser.add_argument(
-        "--split", default=None, help="comma-separated splits of the model's corpus, each scored on its own"
-    )
-    parser.add_argument("--src", action="append", default=[], help="a source file (with --ref; repeatable)")
-    parser.add_argument("--ref", action="append", default=[], help="its reference file, line by line")
-    parser.add_argument(
-        "--compare", default=None, metavar="BASELINE", help="another export: paired bootstrap test against it"
-    )
-    parser.add_argument("--samples", type=int, default=1000, help="bootstrap resamples (default 1000)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
-    parser.add_argument(
-        "--out", default=None, help="also write eval.json and the hypotheses scored into this directory"
-    )
-    parser.add_argument("--beam", type=int, default=None, help="override eval.beam (1: greedy)")
-    parser.add_argument(
-        "--limit",
-        type=int,
-        default=None,
-        metavar="N",
-        help="score only the first N pairs of each set, named SET[:N] (a quick check of a large model on "
-        "a CPU; not comparable with a full set's figures)",
-    )
-    parser.add_argument(
-        "--device", default="auto", help="auto (the GPU if torch sees one, else the CPU), cpu, cuda or cuda:N"
-    )
-    return parser.parse_args(argv)
-
-
-def _sets(args: argparse.Namespace, cfg: DataConfig) -> list[TestSet]:
-    if len(args.src) != len(args.ref):
-        raise InputError(
-            f"{len(args.src)} --src but {len(args.ref)} --ref; give each source file its reference"
-        )
-    sets = corpus_sets(cfg, [n.strip() for n in args.split.split(",") if n.strip()]) if args.split else []
-    sets += [file_set(src, ref) for src, ref in zip(args.src, args.ref, strict=True)]
-    sets = sets or config_sets(cfg)
-    if args.limit is not None:
-        for test in sets:
-            if len(test.pairs) > args.limit:
-                test.name = f"{test.name}[:{args.limit}]"
-            test.pairs, test.long = test.pairs[: args.limit], test.long[: args.limit]
-            test.probe = test.probe[: 2 * (args.limit // 2)]  # minimal pairs stay whole
-    names = [s.name for s in sets]
-    for i, test in enumerate(sets):  # two files of one name: keep both
-        if names.count(test.name) > 1:
-            test.name = f"{test.name}.{i + 1}"
-    return sets
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``tpe-eval``: score an export on test sets; with ``--compare``, test it against another."""
-    from tpe_train.ckpt.export import load_export
-
-    args = parse_args(argv)
-    try:
-        if args.beam is not None and args.beam < 1:
-            raise ValueError("--beam must be at least 1")
-        if args.samples < 1:
-            raise ValueError("--samples must be at least 1")
-        if args.limit is not None and args.limit < 1:
-            raise ValueError("--limit must be at least 1 (sentences of each set)")
-        device = device_from_arg(args.device)
-        model, cfg, tok = load_export(args.checkpoint)
-        other = load_export(args.compare) if args.compare else None
-        sets = _sets(args, cfg.data)  # every file is read before any decoding
-    except (FileNotFoundError, ValueError, ConfigError) as err:  # CorpusError, InputError included
-        print(f"tpe-eval: {err}", file=sys.stderr)
-        return 2
-    if args.beam is not None:
-        cfg.eval.beam = args.beam
-    if cfg.train.threads:
-        torch.set_num_threads(cfg.train.threads)
-    lang = cfg.data.tgt_lang
-    result = evaluate(model.to(device), tok, sets, cfg.eval, lang)
-    if args.out:
-        EvalFiles(args.out).write(result)
-    if other is None:
-        print(json.dumps(result.figures()) if args.json else format_evaluation(result))
-        return 0
-    b_model, _, b_tok = other
-    baseline = evaluate(b_model.to(device), b_tok, sets, cfg.eval, lang)  # decoded as the system
-    tests = compare(result, baseline, args.samples)
-    if args.json:
-        print(json.dumps({"system": args.checkpoint, "baseline": args.compare, "sets": {
-            s.name: {"system": s.figures, "baseline": b.figures, "paired": tests[s.name].as_dict()}
-            for s, b in zip(result.sets, baseline.sets, strict=True)}}))  # fmt: skip
-    else:
-        print(format_comparison(tests, args.checkpoint, args.compare))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

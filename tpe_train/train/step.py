@@ -15,11 +15,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from tpe_train import metrics
 from tpe_train.config import Config
 from tpe_train.data.batching import PAD_ID, Batch, BatchIterator, collate, length_arrays
 from tpe_train.data.corpus import pairs_of
-from tpe_train.decoding import DecodeOptions, decode_sentences
+from tpe_train.evaluation import metrics
+from tpe_train.evaluation.decoding import DecodeOptions, decode_sentences
 from tpe_train.model.loss import label_smoothed_loss
 from tpe_train.model.transformer import Transformer
 from tpe_train.parallel.context import ParallelContext

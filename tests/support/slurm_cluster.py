@@ -8,8 +8,8 @@ The daemons are stopped by the pids they wrote, never by name.
 
 Run as root. Used by ``tests/test_slurm.py`` through a session fixture; also usable by hand:
 
-    python tests/slurm_cluster.py up /tmp/slurmlocal      # prints the SLURM_CONF to export
-    python tests/slurm_cluster.py down /tmp/slurmlocal
+    python tests/support/slurm_cluster.py up /tmp/slurmlocal      # prints the SLURM_CONF to export
+    python tests/support/slurm_cluster.py down /tmp/slurmlocal
 """
 
 from __future__ import annotations

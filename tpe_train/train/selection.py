@@ -4,7 +4,7 @@
 the best validation by ``eval.select_by``) or ``average_last`` (the mean of the last
 ``eval.average_last`` checkpoints). ``train.patience`` stops training after that many validations in a
 row without improvement of the same figure. What this needs to remember -- the best validation's step
-and value, and the validations since -- is trainer state (``Best``): it is written into every
+and value, and the validations since -- is trainer state (``ckpt.state.Best``): it is written into every
 checkpoint's ``trainer.json`` and restored on resume, so a resumed run selects and stops exactly where
 an uninterrupted one does. The best checkpoint is saved when its validation happens and is exempt from
 ``train.keep_last`` pruning.
@@ -12,11 +12,11 @@ an uninterrupted one does. The best checkpoint is saved when its validation happ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from tpe_train.ckpt.export import average_last, export_mean, load_export
 from tpe_train.ckpt.rundir import RunDir
+from tpe_train.ckpt.state import Best
 from tpe_train.ckpt.store import inspect, step_dir
 from tpe_train.config import Config
 from tpe_train.model.transformer import Transformer
@@ -24,15 +24,6 @@ from tpe_train.parallel.context import ParallelContext
 
 #: eval.select_by -> (validation figure, whether higher is better)
 FIGURES = {"bleu": ("valid/bleu", True), "loss": ("valid/nll", False)}
-
-
-@dataclass
-class Best:
-    """The best validation so far and the validations since it (trainer state)."""
-
-    step: int = 0  # step of the best validation (0: none yet)
-    value: float | None = None  # its eval.select_by figure
-    stale: int = 0  # validations since it without improvement (early stopping counts these)
 
 
 def observe(
@@ -59,11 +50,6 @@ def observe(
 def exhausted(best: Best, patience: int) -> bool:
     """Whether early stopping ends the run (``patience`` 0: never)."""
     return patience > 0 and best.stale >= patience
-
-
-def from_trainer(trainer: dict[str, Any]) -> Best:
-    """The state saved in a checkpoint's ``trainer.json`` (none in checkpoints older than this)."""
-    return Best(**trainer["best"]) if trainer.get("best") else Best()
 
 
 def final_model(

@@ -1,0 +1,39 @@
+"""Tiny models for every registered encoding, shared by the unit tests."""
+
+from __future__ import annotations
+
+from tpe_train.model.args import ModelArgs
+from tpe_train.model.transformer import Transformer
+from tpe_train.positions import POSITIONS, PositionArgs
+
+KINDS = POSITIONS.names()
+
+
+def tiny_model(kind: str, **kw: object) -> Transformer:
+    """A 2+2-layer d=32 model over 40 tokens using ``kind`` everywhere it applies."""
+    pos = PositionArgs(
+        d_model=32,
+        n_heads=4,
+        causal=False,
+        max_positions=64,
+        shaw_clip=3,
+        t5_buckets=8,
+        t5_max_distance=16,
+        shaw_values=bool(kw.pop("shaw_values", False)),
+    )
+    args = dict(
+        vocab_size=40,
+        d_model=32,
+        n_heads=4,
+        ffn_dim=64,
+        encoder_layers=2,
+        decoder_layers=2,
+        dropout=0.0,
+        encoder_position=kind,
+        decoder_position=kind,
+        position=pos,
+    )
+    args.update(kw)
+    model = Transformer(ModelArgs(**args))  # type: ignore[arg-type]
+    model.eval()
+    return model

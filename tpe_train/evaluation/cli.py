@@ -1,0 +1,261 @@
+"""The evaluation commands: ``tpe-eval`` scores an export on test sets (and tests it against another),
+``tpe-translate`` translates a file or stdin with one. Their library halves are ``evaluate`` and
+``translate``; this module only parses arguments, reports bad input and prints.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import IO
+
+import torch
+from tqdm import tqdm
+
+from tpe_train.config import ConfigError, DataConfig
+from tpe_train.evaluation import evaluate as evaluate_module
+from tpe_train.evaluation import translate as translate_module
+from tpe_train.evaluation.decoding import DecodeOptions, InputError, device_from_arg, utf8_lines
+from tpe_train.evaluation.evaluate import (
+    EvalFiles,
+    TestSet,
+    compare,
+    config_sets,
+    corpus_sets,
+    evaluate,
+    file_set,
+    format_comparison,
+    format_evaluation,
+)
+from tpe_train.evaluation.translate import translate_stream
+
+# --------------------------------------------------------------------------------------------------
+# tpe-eval
+
+
+def eval_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="tpe-eval",
+        description=evaluate_module.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--checkpoint", required=True, help="an export (<run_dir>/checkpoint, tpe-ckpt average)"
+    )
+    parser.add_argument(
+        "--split", default=None, help="comma-separated splits of the model's corpus, each scored on its own"
+    )
+    parser.add_argument("--src", action="append", default=[], help="a source file (with --ref; repeatable)")
+    parser.add_argument("--ref", action="append", default=[], help="its reference file, line by line")
+    parser.add_argument(
+        "--compare", default=None, metavar="BASELINE", help="another export: paired bootstrap test against it"
+    )
+    parser.add_argument("--samples", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
+    parser.add_argument(
+        "--out", default=None, help="also write eval.json and the hypotheses scored into this directory"
+    )
+    parser.add_argument("--beam", type=int, default=None, help="override eval.beam (1: greedy)")
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        metavar="N",
+        help="score only the first N pairs of each set, named SET[:N] (a quick check of a large model on "
+        "a CPU; not comparable with a full set's figures)",
+    )
+    parser.add_argument(
+        "--device", default="auto", help="auto (the GPU if torch sees one, else the CPU), cpu, cuda or cuda:N"
+    )
+    return parser.parse_args(argv)
+
+
+def _sets(args: argparse.Namespace, cfg: DataConfig) -> list[TestSet]:
+    if len(args.src) != len(args.ref):
+        raise InputError(
+            f"{len(args.src)} --src but {len(args.ref)} --ref; give each source file its reference"
+        )
+    sets = corpus_sets(cfg, [n.strip() for n in args.split.split(",") if n.strip()]) if args.split else []
+    sets += [file_set(src, ref) for src, ref in zip(args.src, args.ref, strict=True)]
+    sets = sets or config_sets(cfg)
+    if args.limit is not None:
+        for test in sets:
+            if len(test.pairs) > args.limit:
+                test.name = f"{test.name}[:{args.limit}]"
+            test.pairs, test.long = test.pairs[: args.limit], test.long[: args.limit]
+            test.probe = test.probe[: 2 * (args.limit // 2)]  # minimal pairs stay whole
+    names = [s.name for s in sets]
+    for i, test in enumerate(sets):  # two files of one name: keep both
+        if names.count(test.name) > 1:
+            test.name = f"{test.name}.{i + 1}"
+    return sets
+
+
+def eval_main(argv: list[str] | None = None) -> int:
+    """``tpe-eval``: score an export on test sets; with ``--compare``, test it against another."""
+    from tpe_train.ckpt.export import load_export
+
+    args = eval_args(argv)
+    try:
+        if args.beam is not None and args.beam < 1:
+            raise ValueError("--beam must be at least 1")
+        if args.samples < 1:
+            raise ValueError("--samples must be at least 1")
+        if args.limit is not None and args.limit < 1:
+            raise ValueError("--limit must be at least 1 (sentences of each set)")
+        device = device_from_arg(args.device)
+        model, cfg, tok = load_export(args.checkpoint)
+        other = load_export(args.compare) if args.compare else None
+        sets = _sets(args, cfg.data)  # every file is read before any decoding
+    except (FileNotFoundError, ValueError, ConfigError) as err:  # CorpusError, InputError included
+        print(f"tpe-eval: {err}", file=sys.stderr)
+        return 2
+    if args.beam is not None:
+        cfg.eval.beam = args.beam
+    if cfg.train.threads:
+        torch.set_num_threads(cfg.train.threads)
+    lang = cfg.data.tgt_lang
+    result = evaluate(model.to(device), tok, sets, cfg.eval, lang)
+    if args.out:
+        EvalFiles(args.out).write(result)
+    if other is None:
+        print(json.dumps(result.figures()) if args.json else format_evaluation(result))
+        return 0
+    b_model, _, b_tok = other
+    baseline = evaluate(b_model.to(device), b_tok, sets, cfg.eval, lang)  # decoded as the system
+    tests = compare(result, baseline, args.samples)
+    if args.json:
+        print(json.dumps({"system": args.checkpoint, "baseline": args.compare, "sets": {
+            s.name: {"system": s.figures, "baseline": b.figures, "paired": tests[s.name].as_dict()}
+            for s, b in zip(result.sets, baseline.sets, strict=True)}}))  # fmt: skip
+    else:
+        print(format_comparison(tests, args.checkpoint, args.compare))
+    return 0
+
+
+# --------------------------------------------------------------------------------------------------
+# tpe-translate
+
+
+def translate_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="tpe-translate",
+        description=translate_module.__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--checkpoint", required=True, help="an export (<run_dir>/checkpoint, tpe-ckpt average)")
+    p.add_argument("-i", "--input", default="-", help="a UTF-8 text file, one sentence a line; - for stdin")
+    p.add_argument("-o", "--output", default="-", help="where the translations go; - for stdout")
+    p.add_argument("--beam", type=int, default=None, help="beam size (default: eval.beam; 1: greedy)")
+    p.add_argument("--greedy", action="store_true", help="greedy decoding (--beam 1)")
+    p.add_argument("--length-penalty", type=float, default=None, help="alpha of ((5 + len) / 6) ** alpha")
+    p.add_argument("--max-len-a", type=float, default=None, help="at most a * source tokens + b tokens out")
+    p.add_argument("--max-len-b", type=int, default=None, help="see --max-len-a")
+    p.add_argument("--max-tokens", type=int, default=None, help="padded source tokens per batch")
+    p.add_argument("--batch-size", type=int, default=None, help="sentences per batch at most")
+    p.add_argument("--nbest", type=int, default=0, help="N best per sentence: LINE<TAB>SCORE<TAB>TEXT lines")
+    p.add_argument("--truncate", action="store_true", help="cut sentences too long for the encoder")
+    p.add_argument("--pieces", action="store_true", help="write subword pieces instead of detokenised text")
+    p.add_argument("--buffer-lines", type=int, default=100_000, help="lines sorted and translated at a time")
+    p.add_argument(
+        "--progress",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="progress bar on stderr (default: when reading a file and stderr is a terminal)",
+    )
+    p.add_argument(
+        "--device", default="auto", help="auto (the GPU if torch sees one, else the CPU), cpu, cuda or cuda:N"
+    )
+    p.add_argument("--threads", type=int, default=None, help="CPU threads (default: train.threads)")
+    return p.parse_args(argv)
+
+
+def decode_options(args: argparse.Namespace, base: DecodeOptions) -> DecodeOptions:
+    """The checkpoint's decoding with the command line's changes (``ValueError`` names a bad one)."""
+    changes = {
+        "beam": 1 if args.greedy else args.beam,
+        "alpha": args.length_penalty,
+        "max_len_a": args.max_len_a,
+        "max_len_b": args.max_len_b,
+        "max_tokens": args.max_tokens,
+        "batch_size": args.batch_size,
+    }
+    if args.greedy and args.beam not in (None, 1):
+        raise ValueError(f"--greedy is --beam 1; drop --beam {args.beam} or --greedy")
+    given = {key: value for key, value in changes.items() if value is not None}
+    options = replace(base, **given, nbest=args.nbest, truncate=args.truncate, pieces=args.pieces)
+    if args.nbest < 0:
+        raise ValueError(f"--nbest must be at least 1 (or 0: the best only), got {args.nbest}")
+    if args.threads is not None and args.threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {args.threads}")
+    if args.buffer_lines < 1:
+        raise ValueError(f"--buffer-lines must be at least 1, got {args.buffer_lines}")
+    options.check()
+    return options
+
+
+def _count_lines(path: str) -> int:
+    """Lines of a file, every one checked for UTF-8 before any work (``InputError`` names the line)."""
+    try:
+        with open(path, "rb") as f:
+            return sum(1 for _ in utf8_lines(f, path))
+    except OSError as err:
+        raise InputError(f"-i {path}: {err.strerror}; pass a UTF-8 text file, or - for stdin") from None
+
+
+@contextlib.contextmanager
+def _output(path: str) -> Iterator[IO[str]]:
+    """stdout, or a file written under a temporary name and renamed into place when complete."""
+    if path == "-":
+        yield sys.stdout
+        return
+    target = Path(path)
+    tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            yield f
+        tmp.replace(target)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def translate_main(argv: list[str] | None = None) -> int:
+    """Entry point of ``tpe-translate``."""
+    from tpe_train.ckpt.export import load_export
+
+    args = translate_args(argv)
+    try:
+        device = device_from_arg(args.device)
+        total = _count_lines(args.input) if args.input != "-" else None
+        if args.output != "-" and not Path(args.output).resolve().parent.is_dir():
+            raise InputError(f"-o {args.output}: its directory does not exist")
+        model, cfg, tok = load_export(args.checkpoint)
+        options = decode_options(args, DecodeOptions.of(cfg.eval))
+    except (FileNotFoundError, ValueError, ConfigError) as err:  # InputError included
+        print(f"tpe-translate: {err}", file=sys.stderr)
+        return 2
+    threads = args.threads or cfg.train.threads
+    if threads:
+        torch.set_num_threads(threads)
+    model.to(device)
+    show = args.progress if args.progress is not None else (total is not None and sys.stderr.isatty())
+    try:
+        with contextlib.ExitStack() as stack:
+            source = stack.enter_context(open(args.input, "rb")) if total is not None else sys.stdin.buffer
+            out = stack.enter_context(_output(args.output))
+            bar = stack.enter_context(tqdm(total=total, unit="sent", disable=not show, file=sys.stderr))
+            name = args.input if total is not None else "<stdin>"
+            tally = translate_stream(
+                model, tok, utf8_lines(source, name), out, options, args.buffer_lines, bar, sys.stderr
+            )
+    except InputError as err:  # stdin: bytes that are not UTF-8 after some lines were translated
+        print(f"tpe-translate: {err}", file=sys.stderr)
+        return 2
+    print(tally.summary(), file=sys.stderr)
+    return 0

@@ -1,0 +1,5 @@
+"""A training run: ``loop`` (the loop, top to bottom), ``step`` (one optimizer step and one validation
+pass), ``selection`` (which weights a run ends with, early stopping), ``cadence`` (when to log, validate
+and save), ``throughput`` (tokens/s, FLOPs, the measured GEMM peak, MFU), ``scalars`` (log lines and
+TensorBoard), ``cli`` (``tpe-train``). Nothing outside this folder imports the loop.
+"""

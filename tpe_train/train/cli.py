@@ -1,0 +1,48 @@
+"""``tpe-train [--preset P] [key=value ...]`` and ``python -m tpe_train.train``: load the config, run
+the loop (``loop.run``), turn what stops a run into an exit status (0 done, 2 bad config, data or
+checkpoint, 75 preempted with its checkpoint saved)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from tpe_train.ckpt.store import CheckpointError
+from tpe_train.config import ConfigError, load_config
+from tpe_train.data.sources import CorpusError
+from tpe_train.run.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED, preempted_exit
+from tpe_train.run.lock import RunDirBusy
+from tpe_train.train.loop import Preempted, run
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="tpe-train",
+        description="Train an encoder-decoder Transformer. Without arguments: the demo preset.",
+        epilog="Example: tpe-train --preset demo model.position.kind=rope train.max_steps=200. "
+        f"Exit status: 0 done, 2 bad config/data/checkpoint, {EXIT_PREEMPTED} preempted (checkpoint saved).",
+    )
+    parser.add_argument("--preset", default="demo", help="preset name in configs/presets or a YAML path")
+    parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.position.kind=rope")
+    parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``tpe-train`` and ``python -m tpe_train.train``."""
+    args = parse_args(argv)
+    main_rank = os.environ.get("RANK", "0") == "0"  # every rank finds the error; one reports it
+    try:
+        cfg = load_config(args.preset, args.overrides)
+        if args.print_config:
+            print(cfg.to_yaml(), end="")
+            return 0
+        run(cfg)
+    except (ConfigError, CorpusError, CheckpointError, RunDirBusy) as err:  # reported, no traceback
+        if main_rank and not getattr(err, "reported", False):
+            print(f"tpe-train: {err}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    except Preempted:
+        return preempted_exit()  # 75, and the node's launcher is told this rank's checkpoint is complete
+    return 0
