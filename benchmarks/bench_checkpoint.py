@@ -142,7 +142,9 @@ def worker(out_json: Path, work: Path, preset: str) -> None:
     from tpe_train.parallel.engine import Engine
     from tpe_train.train.step import inverse_sqrt, train_step
 
-    overrides = ["train.threads=1", "eval.average_last=1", "train.keep_last=1", "train.clip_norm=0"]
+    # one checkpoint kept, none averaged: eval.select=last, as the WMT presets average the last 5 or 20
+    overrides = ["train.threads=1", "eval.select=last", "eval.average_last=1", "train.keep_last=1",
+                 "train.clip_norm=0"]  # fmt: skip
     cfg = load_config(preset, overrides)
     layout = resolve_layout(cfg)
     ctx = ParallelContext.from_env(layout.tp_size, deepspeed=True)
