@@ -6,7 +6,9 @@ Run from the repository root; the numbers are only comparable *within one run*::
     python benchmarks/bench_attention.py --preset wmt14_en_de_big --max-tokens 1000 --backends sdpa \\
         --compile-backends none --steps 2                                            # CPU, sized down
     python benchmarks/bench_attention.py --preset wmt14_en_de_big --device cuda --bf16   # one GPU
-    python benchmarks/bench_attention.py --preset wmt14_en_de_base --decode-only       # beam search
+    python benchmarks/bench_attention.py --preset wmt14_en_de_base --no-train          # beam search
+    python benchmarks/bench_attention.py --smoke --json x.json   # small mode: a tiny model, generated
+                                                                 # text, no compilation; seconds
 
 Shape: the preset's model (base: d_model 512, 8 heads, FFN 2048, 6 + 6 layers; big: 1024, 16, 4096)
 over the preset's joint vocabulary (37,000). Batches have the lengths of real text: a joint BPE of the
@@ -26,63 +28,62 @@ median step, the step against ``none``'s row with the same backend and compilati
 group, the step's memory (GPU: peak allocated; CPU: bytes of the tensors autograd saves for the
 backward pass, where the backends differ, as the CPU allocator keeps no peak), model FLOP/s and MFU
 against the matmul peak measured in the same rounds on the model's own GEMM shapes (FLOP formula and
-peak: ``tpe_train/perf.py``, the best of PyTorch's and oneDNN's kernels). ``flex`` cannot train on
+peak: ``tpe_train/train/throughput.py``, the best of PyTorch's and oneDNN's kernels). ``flex`` cannot train on
 the CPU (no backward there in torch 2.13):
 its rows are left out there and beam search compares it instead.
 
 Beam search (``--decode``): beam 4, alpha 0.6, KV cache, eval mode, a batch of ``--decode-batch``
 sentences from the middle of the length distribution, exactly ``--decode-steps`` decoder steps per
-sentence (EOS suppressed before, as ``bench_train.py`` does), each backend of ``--decode-backends``.
+sentence (EOS suppressed before: ``peers.DecodeRow``, as in ``bench_train.py``), each backend of
+``--decode-backends``.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import json
-import os
-import platform
 import statistics
-import sys
+import tempfile
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from harness import (
+    EOS,
+    PAD,
+    SMOKE_SHAPE,
+    Batch,
+    PeakRow,
+    TrainRow,
+    build,
+    environment,
+    gemm_shapes,
+    interleave,
+    length_batches,
+    loadavg,
+    model_args,
+    p90,
+    padded,
+    parse_with_smoke,
+    shared_data_stub,
+    write_json,
+)
+from peers import HF_MATCH, DecodeRow, attn_impl, hf_model
+from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "benchmarks"):
-    if str(path) not in sys.path:  # run as a script from a checkout without installing the package
-        sys.path.insert(0, str(path))
+from tpe_train.config import Config, load_config
+from tpe_train.data.tokenizer import train_tokenizer
+from tpe_train.model.attention import Attention
+from tpe_train.model.transformer import Transformer
+from tpe_train.positions import POSITIONS
+from tpe_train.train import throughput
 
-import bench_train  # noqa: E402  (Hugging Face peers, attention names, early-EOS suppression)
-
-from tpe_train.config import load_config  # noqa: E402
-from tpe_train.data.batching import token_batches  # noqa: E402
-from tpe_train.data.tokenizer import train_tokenizer  # noqa: E402
-from tpe_train.model.args import ModelArgs  # noqa: E402
-from tpe_train.model.attention import Attention  # noqa: E402
-from tpe_train.model.generate import beam_search  # noqa: E402
-from tpe_train.model.loss import label_smoothed_loss  # noqa: E402
-from tpe_train.model.transformer import Transformer  # noqa: E402
-from tpe_train.positions import POSITIONS, PositionArgs  # noqa: E402
-from tpe_train.train import throughput as perf  # noqa: E402
-
-PAD, BOS, EOS, FIRST_ID = 0, 1, 2, 4
-DATA = ROOT.parent / "shared" / "data"
-
-
-@dataclass
-class Batch:
-    src: Tensor  # (B, Ls) right-padded
-    tgt_in: Tensor  # (B, Lt) BOS + target
-    tgt_out: Tensor  # (B, Lt) target + EOS
-    ntok: int  # non-pad target tokens
-
+FIRST_ID = 4
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"
 
 # ---------------------------------------------------------------------------------------- data
 
@@ -104,59 +105,7 @@ def real_lengths(data: Path, vocab: int) -> tuple[np.ndarray, np.ndarray]:
     return src_len, tgt_len
 
 
-def make_batches(
-    src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int, n: int, vocab: int, device: torch.device
-) -> list[Batch]:
-    """``n`` token batches at evenly spaced quantiles of padded size, random ids, real lengths."""
-    cut = token_batches(src_len, tgt_len, max_tokens, seed=1)
-    cut.sort(key=lambda idx: int(src_len[idx].max() + tgt_len[idx].max()))
-    picks = (
-        [cut[round(q * (len(cut) - 1))] for q in np.linspace(0.1, 0.9, n)] if n > 1 else [cut[len(cut) // 2]]
-    )
-    gen = torch.Generator().manual_seed(1234)
-    out = []
-    for idx in picks:
-        b, ls, lt = len(idx), int(src_len[idx].max()), int(tgt_len[idx].max())
-        src = torch.full((b, ls), PAD, dtype=torch.long)
-        tgt_in = torch.full((b, lt), PAD, dtype=torch.long)
-        tgt_out = torch.full((b, lt), PAD, dtype=torch.long)
-        for row, i in enumerate(idx):
-            s, t = int(src_len[i]), int(tgt_len[i])
-            src[row, : s - 1] = torch.randint(FIRST_ID, vocab, (s - 1,), generator=gen)
-            src[row, s - 1] = EOS
-            words = torch.randint(FIRST_ID, vocab, (t - 1,), generator=gen)
-            tgt_in[row, 0], tgt_in[row, 1:t] = BOS, words
-            tgt_out[row, : t - 1], tgt_out[row, t - 1] = words, EOS
-        out.append(Batch(src.to(device), tgt_in.to(device), tgt_out.to(device), int((tgt_out != PAD).sum())))
-    return out
-
-
 # --------------------------------------------------------------------------------------- model
-
-
-def build(preset: Any, kind: str, vocab: int, device: torch.device) -> Transformer:
-    m = preset.model
-    torch.manual_seed(1234)
-    args = ModelArgs(
-        vocab_size=vocab,
-        pad_id=PAD,
-        bos_id=BOS,
-        eos_id=EOS,
-        d_model=m.d_model,
-        n_heads=m.n_heads,
-        ffn_dim=m.ffn_dim,
-        encoder_layers=m.encoder_layers,
-        decoder_layers=m.decoder_layers,
-        dropout=m.dropout,
-        attention_dropout=m.attention_dropout,
-        activation_dropout=m.activation_dropout,
-        encoder_position=kind,
-        decoder_position=kind,
-        position=PositionArgs(
-            d_model=m.d_model, n_heads=m.n_heads, causal=False, max_positions=m.position.max_positions
-        ),
-    )
-    return Transformer(args).to(device)
 
 
 def set_backend(model: nn.Module, backend: str) -> None:
@@ -169,6 +118,21 @@ def set_compiled(model: Transformer, compiled: dict[str, Any] | None) -> None:
     """Switch the model's stacks between their compiled layers and the eager ones."""
     for name in ("encoder", "decoder"):
         getattr(model, name).__dict__["_compiled"] = compiled[name] if compiled else None
+
+
+def eager(model: Transformer, backend: str) -> Callable[[], None]:
+    """What a beam-search row sets before it runs: its backend, the eager layers, eval mode."""
+
+    def before() -> None:
+        set_backend(model, backend)
+        set_compiled(model, None)
+        model.eval()
+
+    return before
+
+
+def adam(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
 
 
 @dataclass
@@ -187,135 +151,19 @@ class Shared:
         return self.compiled
 
 
-@dataclass
-class TrainRow:
-    kind: str
-    backend: str
-    compiled: bool
-    shared: Shared
-    batches: list[Batch]
-    device: torch.device
-    bf16: bool
-    epsilon: float
-    times: list[float] = field(default_factory=list)
-    memory: list[int] = field(default_factory=list)
-    _step: int = 0
+class BackendRow(TrainRow):
+    """A training row of a shared model with one attention backend, eager or compiled."""
 
-    @property
-    def name(self) -> str:
-        return f"{self.kind}/{self.backend}{'+compile' if self.compiled else ''}"
+    def __init__(self, kind: str, backend: str, compiled: bool, shared: Shared, **kw: Any) -> None:
+        self.kind, self.backend, self.compiled, self.shared = kind, backend, compiled, shared
+        name = f"{kind}/{backend}{'+compile' if compiled else ''}"
+        super().__init__(name, shared.model, opt=shared.opt, memory=True, **kw)
 
-    def step(self) -> None:
-        model, opt = self.shared.model, self.shared.opt
+    def before_step(self) -> None:
+        model = self.shared.model
         set_backend(model, self.backend)
         set_compiled(model, self.shared.compile() if self.compiled else None)
         model.train()
-        b = self.batches[self._step % len(self.batches)]
-        self._step += 1
-        opt.zero_grad(set_to_none=True)
-        cast = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
-        )
-        saved: dict[int, int] = {}
-
-        def pack(t: Tensor) -> Tensor:
-            if t.device.type == "cpu":  # bytes autograd keeps for the backward, per storage
-                saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-            return t
-
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-        with cast, hooks:
-            logits = model(b.src, b.tgt_in)
-            loss, _, ntok = label_smoothed_loss(logits, b.tgt_out, PAD, self.epsilon)
-        (loss / ntok).backward()
-        opt.step()
-        if self.device.type == "cuda":
-            self.memory.append(torch.cuda.max_memory_allocated(self.device))
-        else:
-            self.memory.append(sum(saved.values()))
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-DTYPE: list[Any] = ["fp32", torch.float32]  # (name, dtype) of the peak: set in main
-DEVICE_: list[torch.device] = [torch.device("cpu")]
-PEAK_SHAPES_: list[list[tuple[int, int, int]]] = [[]]
-
-
-class PeakRow:
-    """The matmul peak (``perf.Peak``: the best of PyTorch's and oneDNN's kernels) as a row of the
-    interleaved rounds, so that MFU's peak is measured under the same machine load as the steps.
-    Its shapes are (M, K, N) products; ``perf.Peak`` takes them as (rows, inner, outer)."""
-
-    name = "matmul-peak"
-
-    def __init__(self, dtype_name: str, dtype: torch.dtype, device: torch.device, shapes: list[Any]) -> None:
-        kernels = perf.gemm_kernels(dtype, device, native_bf16=False)
-        self.dtype_name, self.times = dtype_name, []  # type: ignore[var-annotated]
-        self.peak = perf.Peak(dtype, device, kernels, list(shapes))
-
-    def step(self) -> None:
-        self.peak.sample(2)
-
-    def result(self) -> dict[str, Any]:
-        per_shape = {shape: max(row.values()) for shape, row in self.peak.table(statistics.median).items()}
-        return {self.dtype_name: {"per_shape_gflops": per_shape, "peak_gflops": max(per_shape.values())}}
-
-
-def interleave(rows: list[Any], warmup: int, steps: int, device: torch.device, label: str) -> None:
-    for row in rows:
-        t0 = time.perf_counter()
-        for _ in range(warmup):
-            row.step()
-        print(
-            f"  [{label}] warmed up {row.name:<28} in {time.perf_counter() - t0:7.1f} s",
-            file=sys.stderr,
-            flush=True,
-        )
-    for r in range(steps):
-        t_round = time.perf_counter()
-        shift = r % len(rows)
-        for row in rows[shift:] + rows[:shift]:
-            gc.collect()
-            sync(device)
-            t0 = time.perf_counter()
-            row.step()
-            sync(device)
-            row.times.append(time.perf_counter() - t0)
-        print(
-            f"  [{label}] round {r + 1}/{steps} in {time.perf_counter() - t_round:7.1f} s",
-            file=sys.stderr,
-            flush=True,
-        )
-
-
-# ------------------------------------------------------------------------------------ decoding
-
-
-@dataclass
-class DecodeRow:
-    kind: str
-    backend: str
-    model: Transformer
-    src: Tensor
-    steps: int
-    times: list[float] = field(default_factory=list)
-    hyps: list[list[int]] = field(default_factory=list)
-
-    @property
-    def name(self) -> str:
-        return f"{self.kind}/{self.backend}"
-
-    def step(self) -> None:
-        set_backend(self.model, self.backend)
-        set_compiled(self.model, None)
-        self.model.eval()
-        self.hyps = beam_search(self.model, self.src, beam=4, alpha=0.6, max_len_a=0.0, max_len_b=self.steps)
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -372,7 +220,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--decode-rounds", type=int, default=2, help="timed beam-search batches per row (default 2)"
     )
     p.add_argument("--json", type=Path, help="write every number to this file")
-    args = p.parse_args(argv)
+    # small mode: the preset with a tiny model (harness.SMOKE_SHAPE) on a generated stand-in of the shared
+    # data (harness.shared_data_stub) unless --data; no compiled rows and no flex (on the CPU both
+    # compile, for tens of seconds)
+    smoke = {
+        "data": None,
+        "max_tokens": 300,
+        "batches": 1,
+        "kinds": ["rope"],
+        "compile_backends": [],
+        "hf": True,
+        "steps": 1,
+        "decode": ["t5"],
+        "decode_backends": ["sdpa", "explicit"],
+        "decode_batch": 2,
+        "decode_steps": 3,
+        "decode_rounds": 1,
+    }
+    args = parse_with_smoke(p, argv, smoke)
     gpu = args.device.startswith("cuda")
     if args.backends is None:
         args.backends = ["flex", "sdpa", "explicit"] if gpu else ["sdpa", "explicit"]
@@ -387,112 +252,82 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-@dataclass
-class HFRow:
-    """A Hugging Face encoder-decoder of the preset's shape (random weights), trained as TrainRow is."""
-
-    kind: str
-    model: nn.Module
-    batches: list[Batch]
-    device: torch.device
-    bf16: bool
-    epsilon: float
-    times: list[float] = field(default_factory=list)
-    memory: list[int] = field(default_factory=list)
-    backend: str = "hf"
-    compiled: bool = False
-    _step: int = 0
-
-    def __post_init__(self) -> None:
-        self.model.to(self.device).train()
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
-
-    @property
-    def name(self) -> str:
-        return f"{self.kind}/{bench_train.attn_impl(self.model)}"
-
-    def step(self) -> None:
-        b = self.batches[self._step % len(self.batches)]
-        self._step += 1
-        self.opt.zero_grad(set_to_none=True)
-        cast = (
-            torch.autocast(self.device.type, dtype=torch.bfloat16) if self.bf16 else contextlib.nullcontext()
-        )
-        if self.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(self.device)
-        with cast:
-            logits = self.model(
-                input_ids=b.src,
-                attention_mask=(b.src != PAD).long(),
-                decoder_input_ids=b.tgt_in,
-                use_cache=False,
-            ).logits
-            loss, _, ntok = label_smoothed_loss(logits, b.tgt_out, PAD, self.epsilon)
-        (loss / ntok).backward()
-        self.opt.step()
-        self.memory.append(torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else 0)
-
-
 def hf_group(
-    args: argparse.Namespace, preset: Any, batches: list[Batch], vocab: int, device: torch.device
-) -> tuple[list[Any], dict[str, Any]]:
+    args: argparse.Namespace, preset: Config, batches: list[Batch], vocab: int, device: torch.device
+) -> tuple[list[TrainRow], dict[str, Any]]:
     """tpe's sinusoidal, learned and t5 (eager, auto backend) against MarianMT, BART and T5."""
-    m = preset.model
-    bench_train.N_HEADS = m.n_heads
-    eps = preset.train.label_smoothing
-    rows: list[Any] = []
-    for kind, hf in bench_train.HF_MATCH.items():
+    eps, dtype = preset.train.label_smoothing, "bf16" if args.bf16 else "fp32"
+    rows: list[TrainRow] = []
+    for kind, hf in HF_MATCH.items():
         model = build(preset, kind, vocab, device)
-        shared = Shared(model, torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9))
-        rows.append(TrainRow(kind, "auto", False, shared, batches, device, args.bf16, eps))
-        rows.append(HFRow(hf, bench_train.hf_model(hf), batches, device, args.bf16, eps))
-    sampler = PeakRow(DTYPE[0], DTYPE[1], DEVICE_[0], PEAK_SHAPES_[0])
-    interleave([*rows, sampler], args.warmup, args.steps, device, "hf")
+        common = {"batches": batches, "device": device, "dtype": dtype, "epsilon": eps}
+        rows.append(BackendRow(kind, "auto", False, Shared(model, adam(model)), **common))
+        peer = hf_model(hf, model_args(preset, kind, vocab))
+        rows.append(TrainRow(f"{hf}/{attn_impl(peer)}", peer, opt=adam(peer), memory=True, **common))
+    sampler = peak_row(args, preset, vocab, device)
+    interleave([*rows, sampler], args.warmup, args.steps, device, "hf", collect="every step")
     return rows, sampler.result()
 
 
 def train_group(
-    args: argparse.Namespace, preset: Any, kind: str, batches: list[Batch], vocab: int, device: torch.device
-) -> tuple[list[TrainRow], dict[str, Any]]:
+    args: argparse.Namespace,
+    preset: Config,
+    kind: str,
+    batches: list[Batch],
+    vocab: int,
+    device: torch.device,
+) -> tuple[list[BackendRow], dict[str, Any]]:
     torch._dynamo.reset()
-    rows: list[Any] = []
+    rows: list[BackendRow] = []
+    common = {
+        "batches": batches,
+        "device": device,
+        "dtype": "bf16" if args.bf16 else "fp32",
+        "epsilon": preset.train.label_smoothing,
+    }
     for k in ("none", kind):
         model = build(preset, k, vocab, device)
-        shared = Shared(model, torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9))
-        eps = preset.train.label_smoothing
+        shared = Shared(model, adam(model))
         for backend in args.backends:
-            rows.append(TrainRow(k, backend, False, shared, batches, device, args.bf16, eps))
+            rows.append(BackendRow(k, backend, False, shared, **common))
         if args.compile_kinds is None or kind in args.compile_kinds:
             for backend in args.compile_backends:
-                rows.append(TrainRow(k, backend, True, shared, batches, device, args.bf16, eps))
-    sampler = PeakRow(DTYPE[0], DTYPE[1], DEVICE_[0], PEAK_SHAPES_[0])
-    interleave([*rows, sampler], args.warmup, args.steps, device, kind)
+                rows.append(BackendRow(k, backend, True, shared, **common))
+    sampler = peak_row(args, preset, vocab, device)
+    interleave([*rows, sampler], args.warmup, args.steps, device, kind, collect="every step")
     return rows, sampler.result()
+
+
+def peak_row(args: argparse.Namespace, preset: Config, vocab: int, device: torch.device) -> PeakRow:
+    """The matmul peak (the best of PyTorch's and oneDNN's kernels) on the model's GEMM shapes at 4,096
+    tokens, 2 samples a step; its warm-up steps are sampled too."""
+    shapes = gemm_shapes(model_args(preset, vocab=vocab))
+    dtype = "bf16" if args.bf16 else "fp32"
+    return PeakRow([dtype], device, shapes, reps=2, native_bf16=False, name="matmul-peak", warmup_steps=None)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench-attention-") as tmp:
+        if args.data is None:  # --smoke without --data
+            args.data = shared_data_stub(Path(tmp))
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
     torch._dynamo.config.recompile_limit = 64  # several models, backends and compiled rows in one process
     torch._dynamo.config.accumulated_recompile_limit = 4096
-    preset = load_config(args.preset)
+    preset = load_config(args.preset, SMOKE_SHAPE if args.smoke else [])
     m, vocab = preset.model, preset.data.vocab_size
     max_tokens = args.max_tokens or preset.data.max_tokens
     started = time.perf_counter()
-    env = {
-        "torch": torch.__version__,
-        "device": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or "cpu",
-        "threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "loadavg_at_start": os.getloadavg() if hasattr(os, "getloadavg") else None,
-    }
+    env = environment(device)
     print(f"env: {env}")
     src_len, tgt_len = real_lengths(args.data, vocab)
-    batches = make_batches(src_len, tgt_len, max_tokens, args.batches, vocab, device)
+    batches = length_batches(preset, src_len, tgt_len, args.batches, device, max_tokens, FIRST_ID)
     print(
         f"\npreset {args.preset}: d_model {m.d_model}, {m.n_heads} heads, FFN {m.ffn_dim}, "
         f"{m.encoder_layers}+{m.decoder_layers} layers, vocab {vocab}, dropout {m.dropout}; "
@@ -505,31 +340,15 @@ def main(argv: list[str] | None = None) -> None:
     )
     for b in batches:
         real = int((b.src != PAD).sum() + (b.tgt_out != PAD).sum())
-        padded = b.src.numel() + b.tgt_out.numel()
+        padded_size = b.src.numel() + b.tgt_out.numel()
         print(
             f"  batch {tuple(b.src.shape)} src, {tuple(b.tgt_in.shape)} tgt: {b.ntok} target tokens, "
-            f"{100 * (1 - real / padded):.0f}% padding"
+            f"{100 * (1 - real / padded_size):.0f}% padding"
         )
-    # bench_train's Hugging Face models read their shape from module globals
-    bench_train.D_MODEL, bench_train.FFN_DIM, bench_train.VOCAB = m.d_model, m.ffn_dim, vocab
-    bench_train.LAYERS, bench_train.DEVICE = m.encoder_layers, device
-    tokens = 4096
-    DEVICE_[0] = device
-    PEAK_SHAPES_[0] = [
-        (tokens, m.d_model, m.ffn_dim),
-        (tokens, m.ffn_dim, m.d_model),
-        (tokens, m.d_model, m.d_model),
-        (tokens, m.d_model, vocab),
-    ]
     dtype = "bf16" if args.bf16 else "fp32"
-    DTYPE[:] = [dtype, torch.bfloat16 if args.bf16 else torch.float32]
-    L = m.encoder_layers
+    shape = model_args(preset, vocab=vocab)
     flops = [
-        3
-        * b.src.shape[0]
-        * perf.forward_flops(m.d_model, m.ffn_dim, L, m.decoder_layers, vocab, *lens)["total"]
-        for b in batches
-        for lens in [(b.src.shape[1], b.tgt_in.shape[1])]
+        throughput.train_flops(shape, [(b.src.shape[0], b.src.shape[1], b.tgt_in.shape[1])]) for b in batches
     ]
     mean_tok = statistics.mean(b.ntok for b in batches)
 
@@ -561,6 +380,7 @@ def main(argv: list[str] | None = None) -> None:
                     "compiled": r.compiled,
                     "tokens_per_s": mean_tok / step,
                     "step_ms": 1000 * step,
+                    "step_ms_p90": 1000 * p90(r.times),
                     "step_ms_all": [1000 * t for t in r.times],
                     "vs_none": step / base[(r.backend, r.compiled)],
                     "memory_bytes": max(r.memory),
@@ -608,24 +428,34 @@ def main(argv: list[str] | None = None) -> None:
         middle = order[len(order) // 2 - args.decode_batch // 2 :][: args.decode_batch]
         ls = int(src_len[middle].max())
         gen = torch.Generator().manual_seed(99)
-        src = torch.full((len(middle), ls), PAD, dtype=torch.long)
-        for row, i in enumerate(middle):
-            n = int(src_len[i])
-            src[row, : n - 1], src[row, n - 1] = torch.randint(FIRST_ID, vocab, (n - 1,), generator=gen), EOS
-        src = src.to(device)
-        drows = []
-        for kind in args.decode:
-            model = bench_train.suppress_early_eos(build(preset, kind, vocab, device), args.decode_steps - 1)
-            drows += [DecodeRow(kind, b, model, src, args.decode_steps) for b in args.decode_backends]
-        interleave(drows, 1, args.decode_rounds, device, "beam")
+        sentences = []
+        for i in middle:
+            words = torch.randint(FIRST_ID, vocab, (int(src_len[i]) - 1,), generator=gen)
+            sentences.append(torch.cat((words, torch.tensor([EOS]))))
+        src = padded(sentences, ls).to(device)
+        groups = {
+            kind: [
+                DecodeRow(f"{kind}/{b}", model, src, args.decode_steps, before=eager(model, b))
+                for b in args.decode_backends
+            ]
+            for kind in args.decode
+            for model in [build(preset, kind, vocab, device)]
+        }
+        interleave(
+            [r for group in groups.values() for r in group],
+            1,
+            args.decode_rounds,
+            device,
+            "beam",
+            collect="every step",
+        )
         print(
             f"\nbeam search: beam 4, {len(middle)} sentences (source {ls} tokens padded), exactly "
             f"{args.decode_steps} decoder steps each, fp32, median batch time; vs first = time / "
             f"{args.decode_backends[0]}'s"
         )
         print(f"{'row':<28}{'sent/s':>9}{'batch s':>9}{'vs first':>10}  same hypotheses")
-        for kind in args.decode:
-            mine = [r for r in drows if r.kind == kind]
+        for mine in groups.values():
             first = statistics.median(mine[0].times)
             for r in mine:
                 t = statistics.median(r.times)
@@ -641,16 +471,17 @@ def main(argv: list[str] | None = None) -> None:
                 )
                 print(f"{r.name:<28}{len(middle) / t:>9.2f}{t:>9.2f}{t / first:>10.2f}  {same}")
 
-    env["loadavg_at_end"] = os.getloadavg() if hasattr(os, "getloadavg") else None
+    env["loadavg_at_end"] = loadavg()
     elapsed = time.perf_counter() - started
     print(
         f"\nload average at start {env['loadavg_at_start']}, at end {env['loadavg_at_end']}; "
         f"total {elapsed:.0f} s"
     )
-    if args.json:
-        payload = {
+    write_json(
+        args.json,
+        {
             "env": env,
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "args": vars(args),
             "batches": [
                 {"src": list(b.src.shape), "tgt": list(b.tgt_in.shape), "target_tokens": b.ntok}
                 for b in batches
@@ -661,9 +492,8 @@ def main(argv: list[str] | None = None) -> None:
             "matmul_peaks_gflops": peaks,
             "decode": decode,
             "seconds": elapsed,
-        }
-        args.json.write_text(json.dumps(payload, indent=2))
-        print(f"wrote {args.json}")
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Sharded checkpoints against the gathering save they replaced: memory, time and bytes, in one run.
 
     DS_ACCELERATOR=cpu python benchmarks/bench_checkpoint.py [--layouts zero3x2,zero3x4,zero2x2] [--json F]
+    DS_ACCELERATOR=cpu python benchmarks/bench_checkpoint.py --smoke --json F   # small mode: a tiny
+                                                                                # model, ZeRO-3 x 2 only
 
 Each layout is a real ``accelerate launch`` of this script on CPU processes over gloo (DeepSpeed
 ZeRO-3 with 2 and 4 processes, ZeRO-2 with 2), holding the ``wmt14_en_de_big`` model (d 1024, 16
@@ -16,30 +18,36 @@ on a small batch, so that Adam's moments exist. In that one process group, in th
   shards (``accelerator.save_state``); its load reads the whole files on every rank and scatters them.
 
 Memory is each rank's peak resident set during the call over its resident set when the call starts
-(``VmHWM`` after resetting it through ``/proc/self/clear_refs``, free heap returned to the system with
-``malloc_trim`` first), so it counts what the call adds. Time is the slowest rank's wall time.
+(``harness.added_peak_rss``: ``VmHWM`` after resetting it through ``/proc/self/clear_refs``, free heap
+returned to the system with ``malloc_trim`` first), so it counts what the call adds. Time is the
+slowest rank's wall time.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import shutil
-import subprocess
-import sys
 import tempfile
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from harness import (
+    ROOT,
+    SMOKE_SHAPE,
+    accelerate_cmd,
+    added_peak_rss,
+    build,
+    dir_bytes,
+    parse_with_smoke,
+    run_checked,
+    write_json,
+)
 
 from tpe_train.ckpt.store import sha256
 
-ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {"zero3x2": ("zero3.json", 2), "zero3x4": ("zero3.json", 4), "zero2x2": ("zero2.json", 2)}
 
 
@@ -93,31 +101,6 @@ def gathering_load(engine: Any, out: Path) -> None:
 # --- one launched process ------------------------------------------------------------------------------
 
 
-def resident() -> dict[str, int]:
-    fields = {}
-    for line in Path("/proc/self/status").read_text().splitlines():
-        key, _, value = line.partition(":")
-        if key in ("VmRSS", "VmHWM"):
-            fields[key] = int(value.split()[0]) * 1024
-    return fields
-
-
-def measure(fn: Callable[[], Any]) -> dict[str, float]:
-    """Wall time of ``fn`` and the most memory it added to this process at any moment. Free heap
-    memory goes back to the system first (else a call reusing it would look free of cost)."""
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
-    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-    before = resident()["VmRSS"]
-    start = time.perf_counter()
-    fn()
-    wall = time.perf_counter() - start
-    return {"wall_s": wall, "peak_extra_b": resident()["VmHWM"] - before}
-
-
-def size_of(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
 class Position:
     """Stands in for the data position a run saves (``TrainBatches``): nothing to read here."""
 
@@ -130,28 +113,26 @@ class Position:
         pass
 
 
-def worker(out_json: Path, work: Path, preset: str) -> None:
+def worker(out_json: Path, work: Path, preset: str, smoke: bool) -> None:
     from tokenizers import Tokenizer, models
 
     from tpe_train.ckpt.state import Checkpointer, Progress
     from tpe_train.config import load_config
-    from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID, Batch, pad
-    from tpe_train.model.transformer import Transformer
+    from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
     from tpe_train.parallel.context import ParallelContext
     from tpe_train.parallel.deepspeed import deepspeed_config, resolve_layout
     from tpe_train.parallel.engine import Engine
     from tpe_train.train.step import inverse_sqrt, train_step
 
-    # one checkpoint kept, none averaged: eval.select=last, as the WMT presets average the last 5 or 20
+    # one checkpoint kept, none averaged (the WMT presets average the last 5 or 20)
     overrides = ["train.threads=1", "eval.select=last", "eval.average_last=1", "train.keep_last=1",
                  "train.clip_norm=0"]  # fmt: skip
-    cfg = load_config(preset, overrides)
+    cfg = load_config(preset, [*overrides, *(SMOKE_SHAPE if smoke else [])])
     layout = resolve_layout(cfg)
     ctx = ParallelContext.from_env(layout.tp_size, deepspeed=True)
     torch.set_num_threads(1)
-    torch.manual_seed(0)
     vocab = cfg.data.vocab_size
-    model = Transformer(cfg.model.args(vocab, PAD_ID, BOS_ID, EOS_ID)).train()
+    model = build(cfg, seed=0).train()
     params = sum(p.numel() for p in model.parameters())
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=cfg.train.adam_betas, eps=1e-9)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt(cfg.train.warmup_steps))
@@ -177,40 +158,40 @@ def worker(out_json: Path, work: Path, preset: str) -> None:
         return Checkpointer(root, cfg, engine, tok, Position(), layout.zero_stage)  # type: ignore[arg-type]
 
     sharded = checkpointer(work / "sharded", background=False)
-    result["sharded save"] = measure(lambda: sharded.save(progress))
-    result["sharded load"] = measure(lambda: sharded.restore(work / "sharded" / "step-00000001"))
+    result["sharded save"] = added_peak_rss(lambda: sharded.save(progress))
+    result["sharded load"] = added_peak_rss(lambda: sharded.restore(work / "sharded" / "step-00000001"))
     background = checkpointer(work / "async", background=True)
     blocking: dict[str, float] = {}
 
     def async_save() -> None:
-        blocking.update(measure(lambda: background.save(progress)))
+        blocking.update(added_peak_rss(lambda: background.save(progress)))
         background.wait()
 
-    result["async save"] = measure(async_save)
+    result["async save"] = added_peak_rss(async_save)
     result["async save"]["blocking_s"] = blocking["wall_s"]
     gathered = work / "gathering"
     if ctx.is_main:
         gathered.mkdir(parents=True, exist_ok=True)
     ctx.barrier()
-    result["gathering save"] = measure(lambda: gathering_save(engine, gathered))
-    result["gathering load"] = measure(lambda: gathering_load(engine, gathered))
+    result["gathering save"] = added_peak_rss(lambda: gathering_save(engine, gathered))
+    result["gathering load"] = added_peak_rss(lambda: gathering_load(engine, gathered))
     everyone = ctx.gather(result)
     if ctx.is_main:
         summary = {key: everyone[0][key] for key in ("parameters", "world_size", "zero_stage")}
         summary["ranks"] = everyone
         step = "step-00000001"
         summary["bytes"] = {
-            "sharded": size_of(work / "sharded" / step),
-            "async": size_of(work / "async" / step),
-            "gathering": size_of(gathered),
+            "sharded": dir_bytes(work / "sharded" / step),
+            "async": dir_bytes(work / "async" / step),
+            "gathering": dir_bytes(gathered),
         }
-        out_json.write_text(json.dumps(summary, indent=1))
+        write_json(out_json, summary)
 
 
 # --- the driver ----------------------------------------------------------------------------------------
 
 
-def launch(name: str, work: Path, preset: str) -> dict[str, Any]:
+def launch(name: str, work: Path, preset: str, smoke: bool) -> dict[str, Any]:
     ds_file, procs = LAYOUTS[name]
     launch_file = work / f"{name}.yaml"
     text = (ROOT / "configs" / "accelerate" / "cpu_zero3.yaml").read_text()
@@ -218,13 +199,9 @@ def launch(name: str, work: Path, preset: str) -> dict[str, Any]:
     text = text.replace("configs/deepspeed/zero3.json", f"configs/deepspeed/{ds_file}")
     launch_file.write_text(text)
     out, place = work / f"{name}.json", work / name
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launch_file),
-           str(Path(__file__).resolve()), "--worker", str(out), "--dir", str(place),
-           "--preset", preset]  # fmt: skip
-    env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        raise SystemExit(f"{name} failed:\n{proc.stderr[-6000:]}")
+    cmd = [*accelerate_cmd(launch_file), str(Path(__file__).resolve()), "--worker", str(out),
+           "--dir", str(place), "--preset", preset, *(["--smoke"] if smoke else [])]  # fmt: skip
+    run_checked(cmd, env={**os.environ, "DS_ACCELERATOR": "cpu"}, tail=6000)
     shutil.rmtree(place, ignore_errors=True)
     return dict(json.loads(out.read_text()))
 
@@ -280,20 +257,20 @@ def main() -> None:
         "--preset", default="wmt14_en_de_big", help="the model (a smaller preset for a dry run)"
     )
     parser.add_argument("--worker", type=Path, help=argparse.SUPPRESS)
-    args = parser.parse_args()
+    # small mode: the preset with a tiny model (harness.SMOKE_SHAPE), one layout
+    args = parse_with_smoke(parser, None, {"layouts": "zero3x2"})
     if args.worker is not None:
-        worker(args.worker, args.dir, args.preset)
+        worker(args.worker, args.dir, args.preset, args.smoke)
         return
     work = Path(tempfile.mkdtemp(prefix="tpe-bench-ckpt-", dir=args.dir))
     figures = {}
     try:
         for name in args.layouts.split(","):
-            figures[name] = launch(name, work, args.preset)
+            figures[name] = launch(name, work, args.preset, args.smoke)
             print("\n".join(report(name, figures[name])), flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        args.json.write_text(json.dumps(figures, indent=1))
+    write_json(args.json, figures)
 
 
 if __name__ == "__main__":

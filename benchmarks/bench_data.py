@@ -1,6 +1,7 @@
 """Data preparation throughput and the batch iterator's cost per training step.
 
     python benchmarks/bench_data.py --text newstest=DIR:newstest2014 --text multi30k=DIR:train
+    python benchmarks/bench_data.py --smoke --json out.json     # small mode: generated text, a tiny model
 
 Each ``--text NAME=DIR:SPLIT`` names a line-aligned pair ``DIR/SPLIT.en`` / ``DIR/SPLIT.de``
 (e.g. ``../shared/data/newstest2014-en-de:newstest2014``, ``../shared/data/multi30k:train``).
@@ -11,7 +12,8 @@ Each ``--text NAME=DIR:SPLIT`` names a line-aligned pair ``DIR/SPLIT.en`` / ``DI
    The joint BPE is trained once beforehand (its time is printed apart) so both sides encode with it.
 2. The batch iterator: the median time of ``next(batches)`` + ``collate`` per step, over a store of
    the largest corpus, against one training step (forward, loss, backward, Adam) of the Transformer
-   base model (d 512, 8 heads, FFN 2048, 6 + 6 layers, vocabulary 8,000) on one batch of that store.
+   base model (``--preset``'s: d 512, 8 heads, FFN 2048, 6 + 6 layers; vocabulary 8,000) on one batch
+   of that store.
 """
 
 from __future__ import annotations
@@ -19,29 +21,30 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import tempfile
 import time
 import unicodedata
 from pathlib import Path
 
 import torch
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from tpe_train.data.batching import (  # noqa: E402
-    BatchIterator,
-    collate,
-    length_arrays,
+from harness import (
+    SMOKE_MODEL,
+    Batch,
+    FnRow,
+    TrainRow,
+    build,
+    interleave,
+    parse_with_smoke,
+    shared_data_stub,
+    write_json,
 )
-from tpe_train.data.clean import CleanSpec, clean  # noqa: E402
-from tpe_train.data.corpus import to_dataset  # noqa: E402
-from tpe_train.data.sources import SourceSpec, load_split  # noqa: E402
-from tpe_train.data.tokenizer import train_tokenizer  # noqa: E402
-from tpe_train.model.args import ModelArgs  # noqa: E402
-from tpe_train.model.loss import label_smoothed_loss  # noqa: E402
-from tpe_train.model.transformer import Transformer  # noqa: E402
+
+from tpe_train.config import load_config
+from tpe_train.data.batching import BatchIterator, collate, length_arrays
+from tpe_train.data.clean import CleanSpec, clean
+from tpe_train.data.corpus import to_dataset
+from tpe_train.data.sources import SourceSpec, load_split
+from tpe_train.data.tokenizer import train_tokenizer
 
 
 def ours(directory: str, split: str, tok, out: Path) -> tuple[float, int]:  # type: ignore[no-untyped-def]
@@ -74,15 +77,37 @@ def plain_loop(directory: str, split: str, tok, out: Path) -> tuple[float, int]:
     return time.perf_counter() - start, n
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--text", action="append", required=True, help="NAME=DIR:SPLIT")
+    parser.add_argument("--text", action="append", help="NAME=DIR:SPLIT (required but in --smoke)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=3, help="timed base-model training steps")
-    args = parser.parse_args()
-    torch.set_num_threads(2)
+    parser.add_argument("--preset", default="wmt14_en_de_base", help="the model of the training step")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    # small mode: generated text (harness.shared_data_stub) unless --text, a tiny model (SMOKE_MODEL)
+    args = parse_with_smoke(parser, None, {"repeats": 1, "steps": 1})
+    if not args.text and not args.smoke:
+        parser.error("--text NAME=DIR:SPLIT is required (one or more)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    with tempfile.TemporaryDirectory(prefix="bench-data-") as tmp:
+        if not args.text:  # --smoke
+            stub = shared_data_stub(Path(tmp) / "data")
+            args.text = [
+                f"newstest={stub}/newstest2014-en-de:newstest2014",
+                f"multi30k={stub}/multi30k:train",
+            ]
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
+    torch.set_num_threads(args.threads)
     corpora = []
     for item in args.text:
         name, _, rest = item.partition("=")
@@ -92,6 +117,7 @@ def main() -> None:
     print("1. preparation (read, clean, tokenise, write), median of", args.repeats)
     print(f"{'corpus':<12}{'pairs':>8}{'BPE train s':>13}{'tpe pairs/s':>14}{'loop pairs/s':>14}{'ratio':>8}")
     largest = None
+    prepared = []
     for name, directory, split in corpora:
         raw = load_split(SourceSpec(kind="text", src_lang="en", tgt_lang="de", path=directory), split)
         t0 = time.perf_counter()
@@ -103,6 +129,8 @@ def main() -> None:
         ta, n = statistics.median(x[0] for x in a), a[0][1]
         tb = statistics.median(x[0] for x in b)
         print(f"{name:<12}{n:>8}{bpe_s:>13.2f}{n / ta:>14.0f}{b[0][1] / tb:>14.0f}{tb / ta:>8.2f}")
+        prepared.append({"corpus": name, "pairs": n, "bpe_s": bpe_s, "tpe_pairs_per_s": n / ta,
+                         "loop_pairs_per_s": b[0][1] / tb, "ratio": tb / ta})  # fmt: skip
         if largest is None or n > largest[0]:
             largest = (n, directory, split, tok)
 
@@ -113,25 +141,17 @@ def main() -> None:
     )
     src_len, tgt_len = length_arrays(ds)
     it = iter(BatchIterator(src_len, tgt_len, max_tokens=4096, seed=1))
-    costs = []
-    for _ in range(200):
-        start = time.perf_counter()
-        batch = collate(ds, next(it))
-        costs.append(time.perf_counter() - start)
-    model = Transformer(ModelArgs(vocab_size=8000, d_model=512, n_heads=8, ffn_dim=2048))
+    iterator = FnRow("next + collate", lambda: collate(ds, next(it)))
+    interleave([iterator], 0, 200, torch.device("cpu"), "iterator", collect="never", quiet=True)
+    cfg = load_config(args.preset, [*(SMOKE_MODEL if args.smoke else []), "data.vocab_size=8000"])
+    model = build(cfg)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
-    steps = []
-    for i in range(args.steps + 1):
-        start = time.perf_counter()
-        loss, _, ntok = label_smoothed_loss(model(batch.src, batch.tgt_in), batch.tgt_out, 0, 0.1)
-        opt.zero_grad()
-        (loss / ntok).backward()
-        opt.step()
-        if i:
-            steps.append(time.perf_counter() - start)
-    it_ms, step_ms = 1000 * statistics.median(costs), 1000 * statistics.median(steps)
+    step = TrainRow("base", model, [Batch.of(iterator.result)], torch.device("cpu"), opt=opt)
+    interleave([step], 1, args.steps, torch.device("cpu"), "base step")
+    it_ms, step_ms = 1000 * statistics.median(iterator.times), 1000 * statistics.median(step.times)
     print("\n2. batch iterator (next + collate, 4,096-token batches) vs one base-model training step")
     print(f"iterator {it_ms:.2f} ms/step, base step {step_ms:.0f} ms: {100 * it_ms / step_ms:.3f}% of a step")
+    write_json(args.json, {"prepare": prepared, "iterator_ms": it_ms, "base_step_ms": step_ms})
 
 
 if __name__ == "__main__":

@@ -8,24 +8,28 @@ Run from the repository root (CPU; the numbers are only comparable *within one r
     python benchmarks/bench_train.py --device cuda       # on a GPU (timings synchronise the device)
     python benchmarks/bench_train.py --threads 1 --cpu-time   # one thread, timed by its CPU time: a
                                                          # busy machine's other processes not counted
+    python benchmarks/bench_train.py --smoke --json x.json    # small mode: a tiny shape, one step a
+                                                         # row, a few seconds (the CI smoke test)
 
-Shape (one issue's): d_model 256, 4 heads, FFN 1024, 3 + 3 layers, one shared vocabulary of 8,000
-with tied embeddings, dropout 0.1 (attention and activation dropout 0), batches of 128 sentences
+Shape (one issue's: ``harness.BENCH_SHAPE``, the model built by ``cfg.model.args``): d_model 256, 4
+heads, FFN 1024, 3 + 3 layers, one shared vocabulary of 8,000 with tied embeddings, dropout 0.1
+(attention and activation dropout 0), batches of 128 sentences
 whose source and target lengths are uniform in [24, 36] (target + EOS: ~31 tokens, ~4,000 target
 tokens per batch), right-padded to 36 source / 37 target positions. Token ids are random (3..7999,
 fixed seed) and every model sees the same batches in the same order.
 
 What is measured
 ----------------
-1. **Peak** (``tpe_train/perf.py``, the trainer's MFU uses the same code): GFLOP/s of every way the
-   machine multiplies the model's own GEMM shapes ((4096x256)@(256x1024), (4096x1024)@(1024x256),
-   (4096x256)@(256x256), (4096x256)@(256x8000)): PyTorch's kernel (MKL for fp32 on x86), oneDNN's,
-   and for bf16 on a CPU the operands widened to fp32 (with either library). Per dtype, the peak is
-   the best (shape, kernel) median. It is measured once at the start and again as one more row of
-   the interleaved training rounds (3 timed repetitions per kernel and shape per round, each
-   group after 2 untimed calls: AMX runs its first calls after other work at half its rate); MFU uses the
-   latter, taken under the same machine load as the steps (where the CPU has no bf16 kernels,
-   PyTorch's bf16 kernel is too slow to repeat there: its at-start rate enters the peak instead).
+1. **Peak** (``tpe_train/train/throughput.py``, the trainer's MFU uses the same code; ``harness.PeakRow``):
+   GFLOP/s of every way the machine multiplies the model's own GEMM shapes ((4096x256)@(256x1024),
+   (4096x1024)@(1024x256), (4096x256)@(256x256), (4096x256)@(256x8000)): PyTorch's kernel (MKL for
+   fp32 on x86), oneDNN's, and for bf16 on a CPU the operands widened to fp32 (with either library).
+   Per dtype, the peak is the best (shape, kernel) median. It is measured once at the start and
+   again as one more row of the interleaved training rounds (3 timed repetitions per kernel and shape
+   per round, each group after 2 untimed calls: AMX runs its first calls after other work at half its
+   rate); MFU uses the latter, taken under the same machine load as the steps (where the CPU has no
+   bf16 kernels, PyTorch's bf16 kernel is too slow to repeat there: its at-start rate enters the peak
+   instead).
    A kernel table also prints each training product -- forward x W^T, input gradient g W, weight
    gradient g^T x -- through PyTorch's kernel and through oneDNN (fp32) or widened (bf16), and
    which one ``train.cpu_gemm=auto`` takes on this processor.
@@ -34,7 +38,7 @@ What is measured
    the trainer's AdamW without weight decay), dropout on,
    in fp32 and under ``torch.autocast("cpu", dtype=torch.bfloat16)`` around forward + loss (fp32
    master weights). Rows: every tpe_train encoding, plus Hugging Face models of the same shape built
-   from a config with random weights: MarianMT (sinusoidal) <-> ``sinusoidal``, BART (learned
+   from a config with random weights (``peers.py``): MarianMT (sinusoidal) <-> ``sinusoidal``, BART (learned
    absolute) <-> ``learned``, T5 (relative bucket bias) <-> ``t5``. All timed steps are interleaved
    round-robin over the rows (one step of each row per round, order rotated every round), so a
    load change on a shared machine hits all rows alike; the reported step time is the median.
@@ -73,144 +77,50 @@ activation is ReLU everywhere (Marian and BART configs are set to ``relu``).
 from __future__ import annotations
 
 import argparse
-import contextlib
 import gc
-import json
 import math
 import os
-import platform
 import statistics
-import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch import Tensor, nn
+from harness import (
+    DTYPES,
+    SEED,
+    SMOKE_BATCHES,
+    FnRow,
+    PeakRow,
+    TrainRow,
+    Uniform,
+    bench_config,
+    build,
+    environment,
+    gemm_shapes,
+    interleave,
+    model_args,
+    n_params,
+    parse_with_smoke,
+    summary,
+    write_json,
+)
+from peers import HF_MATCH, DecodeRow, attn_impl, hf_model
+from torch import Tensor
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from a checkout without installing the package
-    sys.path.insert(0, str(ROOT))
+from tpe_train.config import Config
+from tpe_train.model import kernels
+from tpe_train.model.args import ModelArgs
+from tpe_train.positions import POSITIONS
+from tpe_train.train import throughput
 
-from tpe_train.model import kernels  # noqa: E402
-from tpe_train.model.args import ModelArgs  # noqa: E402
-from tpe_train.model.generate import beam_search  # noqa: E402
-from tpe_train.model.loss import label_smoothed_loss  # noqa: E402
-from tpe_train.model.transformer import Memory, Transformer  # noqa: E402
-from tpe_train.positions import POSITIONS, PositionArgs  # noqa: E402
-from tpe_train.train import throughput as perf  # noqa: E402
-
-D_MODEL, N_HEADS, FFN_DIM, LAYERS, VOCAB = 256, 4, 1024, 3, 8000
-PAD, BOS, EOS, FIRST_ID = 0, 1, 2, 3
-BATCH, N_BATCHES = 128, 4
-MIN_LEN, MAX_LEN = 24, 36  # content tokens per sentence (the target adds EOS)
+EPSILON = 0.1
+BATCHES = Uniform()  # 4 batches of 128 sentences of 24..36 content tokens (the target adds EOS)
 DECODE_BATCH, DECODE_NEW = 64, 30  # decoding: sentences per batch; N (decoder steps = N + 1)
-EPSILON, LR, SEED = 0.1, 1e-4, 1234
-HF_MATCH = {"sinusoidal": "hf-marian", "learned": "hf-bart", "t5": "hf-t5"}
-DEVICE = torch.device("cpu")  # --device; every model, batch and matmul operand lives there
-CLOCK = time.perf_counter  # --cpu-time: time.thread_time, the CPU time of the (one) computing thread
-
-
-def sync() -> None:
-    """Wait for the device's queued work, so that a wall-clock interval covers it (GPU kernels are
-    asynchronous; on the CPU this does nothing)."""
-    if DEVICE.type == "cuda":
-        torch.cuda.synchronize(DEVICE)
-
-
-# --------------------------------------------------------------------------------------- data
-
-
-@dataclass
-class Batch:
-    src: Tensor  # (B, Ls) right-padded
-    tgt_in: Tensor  # (B, Lt) BOS + target
-    tgt_out: Tensor  # (B, Lt) target + EOS
-    ntok: int  # non-pad target tokens
-
-
-def _padded(rows: list[Tensor], length: int) -> Tensor:
-    out = torch.full((len(rows), length), PAD, dtype=torch.long)
-    for i, row in enumerate(rows):
-        out[i, : row.numel()] = row
-    return out
-
-
-def _lengths(gen: torch.Generator, n: int) -> list[int]:
-    """Uniform in [MIN_LEN, MAX_LEN], one sentence at MAX_LEN so every batch pads to the same shape."""
-    lengths = torch.randint(MIN_LEN, MAX_LEN + 1, (n,), generator=gen)
-    lengths[int(torch.randint(n, (1,), generator=gen))] = MAX_LEN
-    return lengths.tolist()
-
-
-def _sentences(gen: torch.Generator, n: int) -> list[Tensor]:
-    return [torch.randint(FIRST_ID, VOCAB, (length,), generator=gen) for length in _lengths(gen, n)]
-
-
-def make_batches(seed: int) -> list[Batch]:
-    gen = torch.Generator().manual_seed(seed)
-    batches = []
-    for _ in range(N_BATCHES):
-        src = _sentences(gen, BATCH)
-        tgt = _sentences(gen, BATCH)
-        bos, eos = torch.tensor([BOS]), torch.tensor([EOS])
-        tgt_in = _padded([torch.cat((bos, t)) for t in tgt], MAX_LEN + 1)
-        tgt_out = _padded([torch.cat((t, eos)) for t in tgt], MAX_LEN + 1)
-        ntok = int((tgt_out != PAD).sum())
-        batches.append(Batch(_padded(src, MAX_LEN).to(DEVICE), tgt_in.to(DEVICE), tgt_out.to(DEVICE), ntok))
-    return batches
-
-
-def make_decode_sources(seed: int) -> Tensor:
-    return _padded(_sentences(torch.Generator().manual_seed(seed + 1), DECODE_BATCH), MAX_LEN).to(DEVICE)
-
-
-# -------------------------------------------------------------------------------------- FLOPs
-
-
-def forward_flops(ls: int, lt: int) -> dict[str, int]:
-    """Matmul FLOPs of one forward pass of one sentence at padded lengths (ls, lt); see perf.py."""
-    return perf.forward_flops(D_MODEL, FFN_DIM, LAYERS, LAYERS, VOCAB, ls, lt)
+SMOKE_DECODE = 4, 3
 
 
 # --------------------------------------------------------------------------------------- peak
-
-
-PEAK_SHAPES = [(4096, 256, 1024), (4096, 1024, 256), (4096, 256, 256), (4096, 256, 8000)]
-PEAK_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
-class PeakRow:
-    """The GEMM peaks (``perf.Peak``, every kernel on the model's shapes); a row of the interleaved
-    rounds too, so that the peak behind MFU is measured under the same machine load as the steps."""
-
-    name, dtype, warmup_steps = "gemm-peak", "", 0  # warmed up by its constructor
-
-    def __init__(self, dtypes: list[str], reps: int, native_bf16: bool = True) -> None:
-        self.reps = reps
-        self.times: list[float] = []
-        # a GPU comes near its peak only on large products: an 8,192-cube there
-        shapes = PEAK_SHAPES if DEVICE.type == "cpu" else [*PEAK_SHAPES, (8192, 8192, 8192)]
-        self.peaks = {
-            dt: perf.Peak(
-                PEAK_DTYPES[dt], DEVICE, perf.gemm_kernels(PEAK_DTYPES[dt], DEVICE, native_bf16), shapes
-            )
-            for dt in dtypes
-        }
-
-    def step(self) -> None:
-        for peak in self.peaks.values():
-            peak.sample(self.reps)
-
-    def result(self) -> dict[str, Any]:
-        """Per dtype: median GFLOP/s per shape and kernel, and the peak = the best of them."""
-        out = {}
-        for dt, peak in self.peaks.items():
-            table = peak.table(statistics.median)
-            best = max((g, f"{kernel} {shape}") for shape, row in table.items() for kernel, g in row.items())
-            out[dt] = {"per_shape_gflops": table, "peak_gflops": best[0], "peak_at": best[1]}
-        return out
 
 
 def merge_peaks(during: dict[str, Any], start: dict[str, Any]) -> dict[str, Any]:
@@ -237,23 +147,28 @@ def print_peak(label: str, peak: dict[str, Any]) -> None:
             print(f"    {shape:<20}" + "  ".join(f"{k} {g:6.1f}" for k, g in row.items()))
 
 
-def kernel_table(reps: int, rows: int = 1024) -> list[dict[str, Any]]:
+def kernel_table(
+    shapes: list[tuple[int, int, int]], device: torch.device, clock: Any, reps: int, rows: int = 1024
+) -> list[dict[str, Any]]:
     """Each training product of each model shape through PyTorch's kernel and the alternative
-    (oneDNN for fp32, widened to fp32 for bf16): median GFLOP/s, and the one ``auto`` takes here."""
+    (oneDNN for fp32, widened to fp32 for bf16): median GFLOP/s, and the one ``auto`` takes here.
+    The calls of one product are interleaved (after one untimed call each)."""
     onednn_faster, widens = kernels.cpu_rules()
     gen = torch.Generator().manual_seed(1)
     out = []
-    for dt, dtype in PEAK_DTYPES.items():
+    for dt, dtype in DTYPES.items():
         other = "onednn" if dt == "fp32" else "widened"
         auto = other if (onednn_faster if dt == "fp32" else widens) else "torch"
-        for _, k, n in PEAK_SHAPES:
+        for _, k, n in shapes:
             x, w, g = (
-                torch.randn(r, c, generator=gen).to(DEVICE, dtype) for r, c in ((rows, k), (n, k), (rows, n))
+                torch.randn(r, c, generator=gen).to(device, dtype) for r, c in ((rows, k), (n, k), (rows, n))
             )
             for product, (torch_fn, other_fn) in _products(x, w, g, dt == "fp32" or onednn_faster).items():
-                fns = {"torch": torch_fn, other: other_fn}
-                times = _time_each(fns, reps)
-                rates = {name: 2 * rows * k * n / t / 1e9 for name, t in times.items()}
+                fns = [FnRow("torch", torch_fn, warmup_steps=1), FnRow(other, other_fn, warmup_steps=1)]
+                interleave(
+                    fns, 1, reps, device, "kernels", clock=clock, collect="never", rotate=False, quiet=True
+                )
+                rates = {f.name: 2 * rows * k * n / statistics.median(f.times) / 1e9 for f in fns}
                 out.append(
                     {
                         "dtype": dt,
@@ -280,21 +195,6 @@ def _products(x: Tensor, w: Tensor, g: Tensor, onednn: bool) -> dict[str, tuple[
     }
 
 
-def _time_each(fns: dict[str, Any], reps: int) -> dict[str, float]:
-    """Median seconds of each function, the calls interleaved (after one untimed call each)."""
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(reps):
-        for name, fn in fns.items():
-            sync()
-            t0 = CLOCK()
-            fn()
-            sync()
-            times[name].append(CLOCK() - t0)
-    return {name: statistics.median(t) for name, t in times.items()}
-
-
 def print_kernel_table(table: list[dict[str, Any]]) -> None:
     print(f"\n{'dtype':<6}{'product':<13}{'shape':<15}{'torch':>8}{'the other':>18}  auto takes")
     for r in table:
@@ -311,242 +211,30 @@ def print_kernel_table(table: list[dict[str, Any]]) -> None:
 # ------------------------------------------------------------------------------------- models
 
 
-def tpe_model(kind: str) -> Transformer:
-    torch.manual_seed(SEED)
-    args = ModelArgs(
-        vocab_size=VOCAB,
-        pad_id=PAD,
-        bos_id=BOS,
-        eos_id=EOS,
-        d_model=D_MODEL,
-        n_heads=N_HEADS,
-        ffn_dim=FFN_DIM,
-        encoder_layers=LAYERS,
-        decoder_layers=LAYERS,
-        dropout=0.1,
-        encoder_position=kind,
-        decoder_position=kind,
-        position=PositionArgs(d_model=D_MODEL, n_heads=N_HEADS, causal=False, max_positions=1024),
+def make_model(cfg: Config, name: str) -> torch.nn.Module:
+    """tpe_train's model with encoding ``name`` as the config describes it, or its HF peer."""
+    if name.startswith("hf-"):
+        return hf_model(name, model_args(cfg), seed=SEED)
+    return build(cfg, name, seed=SEED)
+
+
+def forward_flops(args: ModelArgs, ls: int, lt: int) -> dict[str, int]:
+    """Matmul FLOPs of one forward pass of one sentence at padded lengths (ls, lt), by part."""
+    return throughput.forward_flops(
+        args.d_model, args.ffn_dim, args.encoder_layers, args.decoder_layers, args.vocab_size, ls, lt
     )
-    return Transformer(args)
 
 
-def hf_model(name: str) -> nn.Module:
-    """A Hugging Face encoder-decoder of the benchmark's shape, random weights, no download."""
-    import transformers as tf
-
-    torch.manual_seed(SEED)
-    ids = {"pad_token_id": PAD, "bos_token_id": BOS, "eos_token_id": EOS, "decoder_start_token_id": BOS}
-    if name in ("hf-marian", "hf-bart"):
-        common = dict(
-            vocab_size=VOCAB,
-            d_model=D_MODEL,
-            encoder_layers=LAYERS,
-            decoder_layers=LAYERS,
-            encoder_attention_heads=N_HEADS,
-            decoder_attention_heads=N_HEADS,
-            encoder_ffn_dim=FFN_DIM,
-            decoder_ffn_dim=FFN_DIM,
-            activation_function="relu",
-            dropout=0.1,
-            attention_dropout=0.0,
-            activation_dropout=0.0,
-            encoder_layerdrop=0.0,
-            decoder_layerdrop=0.0,
-            max_position_embeddings=1024,
-            scale_embedding=True,
-            tie_word_embeddings=True,
-            forced_eos_token_id=None,
-            **ids,
-        )
-        if name == "hf-marian":
-            config = tf.MarianConfig(
-                decoder_vocab_size=VOCAB, share_encoder_decoder_embeddings=True, **common
-            )
-            return tf.MarianMTModel(config)
-        return tf.BartForConditionalGeneration(tf.BartConfig(forced_bos_token_id=None, **common))
-    if name == "hf-t5":
-        config = tf.T5Config(
-            vocab_size=VOCAB,
-            d_model=D_MODEL,
-            d_kv=D_MODEL // N_HEADS,
-            d_ff=FFN_DIM,
-            num_layers=LAYERS,
-            num_decoder_layers=LAYERS,
-            num_heads=N_HEADS,
-            relative_attention_num_buckets=32,
-            relative_attention_max_distance=128,
-            dropout_rate=0.1,
-            feed_forward_proj="relu",
-            tie_word_embeddings=True,
-            **ids,
-        )
-        return tf.T5ForConditionalGeneration(config)
-    raise ValueError(name)
-
-
-def n_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
-def attn_impl(model: nn.Module) -> str:
-    config = getattr(model, "config", None)
-    return str(getattr(config, "_attn_implementation", "sdpa/explicit")) if config else "sdpa/explicit"
-
-
-# ------------------------------------------------------------------------------------ training
-
-
-@dataclass
-class TrainRow:
-    name: str  # "none" ... "rope", "hf-marian", ...
-    dtype: str  # "fp32" | "bf16"
-    model: nn.Module
-    batches: list[Batch]
-    times: list[float] = field(default_factory=list)
-    losses: list[float] = field(default_factory=list)
-    _step: int = 0
-
-    def __post_init__(self) -> None:
-        self.model.to(DEVICE).train()
-        params = self.model.parameters()  # the trainer's optimizer: one fused kernel for all
-        self.opt = torch.optim.Adam(params, lr=LR, betas=(0.9, 0.98), eps=1e-8, fused=True)
-        self.hf = self.name.startswith("hf-")
-
-    def logits(self, b: Batch) -> Tensor:
-        if self.hf:
-            return self.model(
-                input_ids=b.src,
-                attention_mask=(b.src != PAD).long(),
-                decoder_input_ids=b.tgt_in,
-                use_cache=False,
-            ).logits
-        return self.model(b.src, b.tgt_in)
-
-    def step(self) -> None:
-        b = self.batches[self._step % len(self.batches)]
-        self._step += 1
-        self.opt.zero_grad(set_to_none=True)
-        ctx = (
-            torch.autocast(DEVICE.type, dtype=torch.bfloat16)
-            if self.dtype == "bf16"
-            else contextlib.nullcontext()
-        )
-        with ctx:
-            logits = self.logits(b)
-            scale = 1.0 / b.ntok  # the gradient's factor, passed as the trainer passes it
-            loss, _, ntok = label_smoothed_loss(logits, b.tgt_out, PAD, EPSILON, scale)
-        (loss * scale).backward()
-        self.opt.step()
-        self.losses.append(float(loss.detach()) / int(ntok))
-
-
-# ------------------------------------------------------------------------------------ decoding
-
-
-def suppress_early_eos(model: Transformer, n: int) -> Transformer:
-    """Per instance: EOS logit -inf while fewer than ``n`` target tokens were decoded."""
-    inner = model.decode
-
-    def decode(tgt_in: Tensor, memory: Memory, cache: Any = None) -> Tensor:
-        offset = cache.offset if cache is not None else 0
-        logits = inner(tgt_in, memory, cache)
-        if cache is not None and offset < n:
-            logits[..., EOS] = float("-inf")
-        return logits
-
-    model.decode = decode  # type: ignore[method-assign]
-    return model
-
-
-@dataclass
-class DecodeRow:
-    name: str
-    model: nn.Module
-    src: Tensor
-    times: list[float] = field(default_factory=list)
-    lengths: list[int] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        self.model.to(DEVICE).eval()
-        self.hf = self.name.startswith("hf-")
-        if self.hf:
-            from transformers import GenerationConfig
-
-            self.gen_config = GenerationConfig(
-                num_beams=4,
-                length_penalty=0.6,
-                min_new_tokens=DECODE_NEW + 1,
-                max_new_tokens=DECODE_NEW + 1,
-                do_sample=False,
-                early_stopping=False,
-                suppress_tokens=[PAD],
-                use_cache=True,
-                pad_token_id=PAD,
-                bos_token_id=BOS,
-                eos_token_id=EOS,
-                decoder_start_token_id=BOS,
-            )
-        else:
-            assert isinstance(self.model, Transformer)
-            suppress_early_eos(self.model, DECODE_NEW)
-
-    def step(self) -> None:
-        with torch.inference_mode():
-            if self.hf:
-                out = self.model.generate(  # type: ignore[operator]
-                    input_ids=self.src,
-                    attention_mask=(self.src != PAD).long(),
-                    generation_config=self.gen_config,
-                )
-                # minus the decoder start token; EOS never appears (suppressed throughout)
-                self.lengths = [out.shape[1] - 1] * out.shape[0]
-            else:
-                assert isinstance(self.model, Transformer)
-                hyps = beam_search(
-                    self.model, self.src, beam=4, alpha=0.6, max_len_a=0.0, max_len_b=DECODE_NEW + 1
-                )
-                self.lengths = [len(h) + 1 for h in hyps]  # + the EOS step
-
-
-# -------------------------------------------------------------------------------------- runner
-
-
-def run_interleaved(rows: list[Any], warmup: int, steps: int, label: str) -> None:
-    """Warm every row up, then ``steps`` rounds of one timed step per row, order rotated per round."""
-    for row in rows:
-        t0 = time.perf_counter()
-        for _ in range(getattr(row, "warmup_steps", warmup)):
-            row.step()
-        print(
-            f"  [{label}] warmed up {row.name:<11} {getattr(row, 'dtype', '')}"
-            f" in {time.perf_counter() - t0:6.1f} s",
-            file=sys.stderr,
-            flush=True,
-        )
-    gc.collect()
-    for r in range(steps):
-        t_round = time.perf_counter()
-        shift = r % len(rows)
-        for row in rows[shift:] + rows[:shift]:
-            sync()
-            t0 = CLOCK()
-            row.step()
-            sync()
-            row.times.append(CLOCK() - t0)
-        print(
-            f"  [{label}] round {r + 1}/{steps} in {time.perf_counter() - t_round:6.1f} s",
-            file=sys.stderr,
-            flush=True,
-        )
+# -------------------------------------------------------------------------------------- results
 
 
 def _fmt(x: float | None, spec: str) -> str:
     return "-" if x is None or (isinstance(x, float) and math.isnan(x)) else format(x, spec)
 
 
-def train_results(rows: list[TrainRow], batches: list[Batch], peak: dict[str, Any]) -> list[dict[str, Any]]:
-    flops = forward_flops(MAX_LEN, MAX_LEN + 1)["total"] * BATCH * 3
+def train_results(
+    rows: list[TrainRow], batches: list[Any], peak: dict[str, Any], flops: int
+) -> list[dict[str, Any]]:
     mean_tok = statistics.mean(b.ntok for b in batches)
     base = {r.dtype: statistics.median(r.times) for r in rows if r.name == "none"}
     hf = {(r.name, r.dtype): mean_tok / statistics.median(r.times) for r in rows if r.hf}
@@ -564,6 +252,7 @@ def train_results(rows: list[TrainRow], batches: list[Batch], peak: dict[str, An
                 "tokens_per_s": tps,
                 "step_ms": 1000 * step,
                 "step_ms_min": 1000 * min(r.times),
+                "step_ms_p90": summary(r.times, 1000)["p90"],
                 "step_ms_all": [1000 * t for t in r.times],
                 "vs_hf": tps / hf[(match, r.dtype)] if (match, r.dtype) in hf else None,
                 "vs_none": step / base[r.dtype] if r.dtype in base else None,
@@ -591,17 +280,18 @@ def print_train(results: list[dict[str, Any]]) -> None:
         print(f"WARNING: MFU above 100% for {', '.join(over)}: the peak measurement was disturbed")
 
 
-def decode_results(rows: list[DecodeRow]) -> list[dict[str, Any]]:
+def decode_results(rows: list[DecodeRow], sentences: int) -> list[dict[str, Any]]:
     res = {}
     for r in rows:
         t = statistics.median(r.times)
         res[r.name] = {
             "model": r.name,
             "seconds": t,
-            "sentences_per_s": DECODE_BATCH / t,
+            "sentences_per_s": sentences / t,
             "tokens_per_s": sum(r.lengths) / t,
             "decoded_steps_per_sentence": statistics.mean(r.lengths),
             "seconds_min": min(r.times),
+            "seconds_p90": summary(r.times)["p90"],
             "seconds_all": r.times,
         }
     for out in res.values():
@@ -660,7 +350,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--device", default="cpu", help="cpu (default) or cuda[:N]: where every model, batch and matmul runs"
     )
     p.add_argument("--json", type=Path, help="write every number to this file")
-    args = p.parse_args(argv)
+    # small mode: besides these, the shape harness.SMOKE_SHAPE and small batches
+    args = parse_with_smoke(p, argv, {"steps": 1, "warmup": 1, "decode_rounds": 1})
     if args.cpu_time and args.threads != 1:
         p.error("--cpu-time measures one thread: add --threads 1")
     unknown = [k for k in args.only if k not in kinds]
@@ -671,23 +362,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def run_training(
     args: argparse.Namespace,
-    kinds: list[str],
-    hf_names: list[str],
+    cfg: Config,
+    names: list[str],
     dtypes: list[str],
-    batches: list[Batch],
+    batches: list[Any],
     peak_start: dict[str, Any],
+    flops: int,
 ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """The training rows, interleaved with the GEMM peak; printed, and returned (with that peak)."""
+    device = torch.device(args.device)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     train_rows = [
-        TrainRow(name, dtype, tpe_model(name) if not name.startswith("hf-") else hf_model(name), batches)
+        TrainRow(name, make_model(cfg, name), batches, device, dtype, EPSILON)
         for dtype in dtypes
-        for name in [*kinds, *hf_names]
+        for name in names
         if not (args.no_hf_bf16 and dtype == "bf16" and name.startswith("hf-"))
     ]
-    during = PeakRow(dtypes, reps=3, native_bf16=False)
-    run_interleaved([*train_rows, during], args.warmup, args.steps, "train")
+    during = PeakRow(dtypes, device, gemm_shapes(model_args(cfg), device), reps=3, native_bf16=False)
+    interleave([*train_rows, during], args.warmup, args.steps, device, "train", clock=clock)
     peak = merge_peaks(during.result(), peak_start)
-    train = train_results(train_rows, batches, peak)
+    train = train_results(train_rows, batches, peak, flops)
     print()
     print_peak("during training (interleaved with the steps; used for MFU)", peak)
     print(
@@ -705,56 +399,55 @@ def run_training(
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    global DEVICE, CLOCK
-    DEVICE = torch.device(args.device)
-    CLOCK = time.thread_time if args.cpu_time else time.perf_counter
+    device = torch.device(args.device)
+    clock = time.thread_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
-    perf.configure_cpu(args.cpu_gemm, DEVICE)  # as the trainer: GEMM kernels, allocator
+    throughput.configure_cpu(args.cpu_gemm, device)  # as the trainer: GEMM kernels, allocator
     started = time.perf_counter()
+    cfg = bench_config(args.smoke)
+    shape = model_args(cfg)
+    uniform = SMOKE_BATCHES if args.smoke else BATCHES
+    decode_batch, decode_new = SMOKE_DECODE if args.smoke else (DECODE_BATCH, DECODE_NEW)
     kinds = [k for k in POSITIONS.names() if k in args.only]
     hf_names = [] if args.no_hf else [HF_MATCH[k] for k in kinds if k in HF_MATCH]
     dtypes = ["fp32"] if args.no_bf16 else ["fp32", "bf16"]
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    env = {
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
-        "cpus": os.cpu_count(),
-        "loadavg_at_start": load,
-        "python": platform.python_version(),
-        "device": torch.cuda.get_device_name(DEVICE) if DEVICE.type == "cuda" else "cpu",
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_gemm": args.cpu_gemm,
-        "clock": "thread CPU time" if args.cpu_time else "wall",
-        "rules (onednn faster, bf16 widened)": kernels.cpu_rules(),
-    }
+    env = environment(
+        device,
+        cpu_capability=torch.backends.cpu.get_cpu_capability(),
+        cpu_gemm=args.cpu_gemm,
+        clock="thread CPU time" if args.cpu_time else "wall",
+        **{"rules (onednn faster, bf16 widened)": kernels.cpu_rules()},
+    )
     if hf_names:
         import transformers
 
         env["transformers"] = transformers.__version__
     print(f"env: {env}")
 
-    fl = forward_flops(MAX_LEN, MAX_LEN + 1)
-    batches = make_batches(SEED)
+    ls, lt = uniform.hi, uniform.hi + 1
+    fl = forward_flops(shape, ls, lt)
+    flops = throughput.train_flops(shape, [(uniform.size, ls, lt)])
+    batches = uniform.batches(shape.vocab_size, SEED, device)
     mean_tok = statistics.mean(b.ntok for b in batches)
     print(
-        f"\nshape: d_model {D_MODEL}, {N_HEADS} heads, FFN {FFN_DIM}, {LAYERS}+{LAYERS} layers,"
-        f" vocab {VOCAB}; batch {BATCH}, padded Ls {MAX_LEN} / Lt {MAX_LEN + 1},"
-        f" {mean_tok:.0f} target tokens/batch (mean)"
+        f"\nshape: d_model {shape.d_model}, {shape.n_heads} heads, FFN {shape.ffn_dim},"
+        f" {shape.encoder_layers}+{shape.decoder_layers} layers, vocab {shape.vocab_size};"
+        f" batch {uniform.size}, padded Ls {ls} / Lt {lt}, {mean_tok:.0f} target tokens/batch (mean)"
     )
     print("model FLOPs (matmul, 2/MAC, padded lengths; training = 3 x forward):")
     for part, value in fl.items():
         print(
-            f"  {part:<14} {value / 1e6:9.2f} MFLOP/sentence fwd  {value * BATCH / 1e9:8.2f} GFLOP/batch fwd"
-            f"  {3 * value * BATCH / 1e9:8.2f} GFLOP/batch train"
+            f"  {part:<14} {value / 1e6:9.2f} MFLOP/sentence fwd  {value * uniform.size / 1e9:8.2f}"
+            f" GFLOP/batch fwd  {3 * value * uniform.size / 1e9:8.2f} GFLOP/batch train"
         )
 
     print("\nGEMM GFLOP/s per shape and kernel (median; peak = best shape and kernel):")
-    sampler = PeakRow(dtypes, reps=3)
+    shapes = gemm_shapes(shape, device)
+    sampler = PeakRow(dtypes, device, shapes, reps=3)
     sampler.step()
     peak_start = sampler.result()
     print_peak("at start", peak_start)
-    table = kernel_table(reps=5) if DEVICE.type == "cpu" else []
+    table = kernel_table(gemm_shapes(shape), device, clock, reps=5) if device.type == "cpu" else []
     if table:
         print("\nthe training products at 1024 rows, GFLOP/s (median of 5): PyTorch's kernel and the other")
         print_kernel_table(table)
@@ -762,20 +455,18 @@ def main(argv: list[str] | None = None) -> None:
     train: list[dict[str, Any]] = []
     peak: dict[str, Any] = {}
     if not args.no_train:
-        train, peak = run_training(args, kinds, hf_names, dtypes, batches, peak_start)
+        train, peak = run_training(args, cfg, [*kinds, *hf_names], dtypes, batches, peak_start, flops)
 
     decode: list[dict[str, Any]] = []
     if not args.no_decode:
-        src = make_decode_sources(SEED)
-        rows = [DecodeRow(k, tpe_model(k), src) for k in kinds] + [
-            DecodeRow(n, hf_model(n), src) for n in hf_names
-        ]
-        run_interleaved(rows, min(args.warmup, 1), max(1, args.decode_rounds), "decode")
-        decode = decode_results(rows)
+        src = uniform.sources(shape.vocab_size, decode_batch, SEED + 1, device)
+        rows = [DecodeRow(n, make_model(cfg, n), src, decode_new + 1) for n in [*kinds, *hf_names]]
+        interleave(rows, min(args.warmup, 1), max(1, args.decode_rounds), device, "decode", clock=clock)
+        decode = decode_results(rows, decode_batch)
         print(
-            f"\nbeam search: beam 4, alpha 0.6, KV cache, fp32, {DECODE_BATCH} sentences"
-            f" (src {MIN_LEN}-{MAX_LEN}),"
-            f" exactly {DECODE_NEW + 1} decoder steps per sentence (EOS suppressed before), median batch time"
+            f"\nbeam search: beam 4, alpha 0.6, KV cache, fp32, {decode_batch} sentences"
+            f" (src {uniform.lo}-{uniform.hi}),"
+            f" exactly {decode_new + 1} decoder steps per sentence (EOS suppressed before), median batch time"
         )
         print_decode(decode)
 
@@ -784,32 +475,32 @@ def main(argv: list[str] | None = None) -> None:
         env["loadavg_at_end"] = os.getloadavg()
         print(f"load average at start {env['loadavg_at_start']}, at end {env['loadavg_at_end']}")
     print(f"\ntotal {elapsed:.0f} s")
-    if args.json:
-        payload = {
+    write_json(
+        args.json,
+        {
             "env": env,
-            "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+            "args": vars(args),
             "shape": {
-                "d_model": D_MODEL,
-                "heads": N_HEADS,
-                "ffn": FFN_DIM,
-                "layers": LAYERS,
-                "vocab": VOCAB,
-                "batch": BATCH,
-                "src_padded": MAX_LEN,
-                "tgt_padded": MAX_LEN + 1,
+                "d_model": shape.d_model,
+                "heads": shape.n_heads,
+                "ffn": shape.ffn_dim,
+                "layers": shape.encoder_layers,
+                "vocab": shape.vocab_size,
+                "batch": uniform.size,
+                "src_padded": ls,
+                "tgt_padded": lt,
                 "target_tokens_per_batch": mean_tok,
             },
             "forward_flops_per_sentence": fl,
-            "train_flops_per_step": fl["total"] * BATCH * 3,
+            "train_flops_per_step": flops,
             "peak_at_start": peak_start,
             "kernel_table": table,
             "peak_during_training": peak,
             "train": train,
             "decode": decode,
             "seconds": elapsed,
-        }
-        args.json.write_text(json.dumps(payload, indent=2))
-        print(f"wrote {args.json}")
+        },
+    )
 
 
 if __name__ == "__main__":

@@ -6,14 +6,15 @@ Run from the repository root (the numbers are only comparable *within one run*):
     python benchmarks/bench_translate.py                        # newstest2014.en of ../shared, 3 rounds
     python benchmarks/bench_translate.py --lines 500 --rounds 2 # quicker
     python benchmarks/bench_translate.py --device cuda --json out.json
+    python benchmarks/bench_translate.py --smoke --json out.json  # small mode: generated text, tiny model
 
 What is measured
 ----------------
 Source: the newstest2014 English file (3,003 lines; ``--source`` names another), tokenised with a joint
 BPE of 8,000 (``tokenizers``, trained here on newstest2014 en + de, the same file for both sides).
-Models: the shape of ``bench_train.py`` (d_model 256, 4 heads, FFN 1024, 3 + 3 layers, vocabulary 8,000,
-tied embeddings), random weights with a fixed seed: tpe_train's ``sinusoidal`` Transformer and Hugging
-Face's MarianMT (sinusoidal too), both in eval mode, fp32.
+Models: the shape of ``bench_train.py`` (``harness.BENCH_SHAPE``: d_model 256, 4 heads, FFN 1024, 3 + 3
+layers, vocabulary 8,000, tied embeddings), random weights with a fixed seed: tpe_train's ``sinusoidal``
+Transformer and Hugging Face's MarianMT (sinusoidal too, ``peers.py``), both in eval mode, fp32.
 
 - tpe_train: ``translate_stream`` (what ``tpe-translate`` runs after loading the export: lines ->
   tokens -> length-sorted batches of at most ``max_tokens`` padded source tokens -> beam search ->
@@ -46,33 +47,39 @@ from __future__ import annotations
 
 import argparse
 import io
-import json
-import os
-import platform
 import statistics
 import sys
-import time
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from harness import (
+    EOS,
+    PAD,
+    FnRow,
+    bench_config,
+    build,
+    environment,
+    interleave,
+    loadavg,
+    model_args,
+    p90,
+    parse_with_smoke,
+    shared_data_stub,
+    write_json,
+)
+from peers import ExactLength, generation_config, hf_model, suppress_eos
 from torch import Tensor
 
-ROOT = Path(__file__).resolve().parents[1]
-for path in (ROOT, ROOT / "benchmarks"):
-    if str(path) not in sys.path:  # run as a script from a checkout without installing the package
-        sys.path.insert(0, str(path))
-
-from bench_train import EOS, PAD, VOCAB, hf_model, tpe_model  # noqa: E402
-
-from tpe_train.config import EvalConfig  # noqa: E402
-from tpe_train.data.batching import pad  # noqa: E402
-from tpe_train.data.tokenizer import decode, encode, train_tokenizer  # noqa: E402
-from tpe_train.evaluation.decoding import DecodeOptions, decode_sentences, read_lines, token_batches  # noqa: E402
-from tpe_train.evaluation.translate import translate_stream  # noqa: E402
-from tpe_train.model import generate  # noqa: E402
-from tpe_train.model.transformer import Memory, Transformer  # noqa: E402
+from tpe_train.config import EvalConfig
+from tpe_train.data.batching import pad
+from tpe_train.data.tokenizer import decode, encode, train_tokenizer
+from tpe_train.evaluation.decoding import DecodeOptions, decode_sentences, read_lines, token_batches
+from tpe_train.evaluation.translate import translate_stream
+from tpe_train.model import generate
+from tpe_train.model.transformer import Transformer
 
 DEFAULT_SOURCE = Path("../shared/data/newstest2014-en-de/newstest2014.en")
 EOS_PENALTY = 1e4
@@ -94,25 +101,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--device", default="cpu")
     p.add_argument("--json", type=Path, default=None, help="also write every number here")
-    return p.parse_args(argv)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def lower_eos(model: Transformer) -> Transformer:
-    """EOS is never chosen (its logit lowered by 10^4); the length limit still forces it at the end."""
-    inner = model.decode
-
-    def decode_(tgt_in: Tensor, memory: Memory, cache: Any = None) -> Tensor:
-        logits = inner(tgt_in, memory, cache)
-        logits[..., EOS] -= EOS_PENALTY
-        return logits
-
-    model.decode = decode_  # type: ignore[method-assign]
-    return model
+    # small mode: a tiny model (harness.SMOKE_SHAPE) on generated text (harness.shared_data_stub)
+    # unless --source
+    return parse_with_smoke(p, argv, {"source": None, "lines": 24, "rounds": 1})
 
 
 def plan_lengths(planned: dict[tuple[int, ...], int]) -> None:
@@ -126,29 +117,10 @@ def plan_lengths(planned: dict[tuple[int, ...], int]) -> None:
     generate._max_lengths = limits  # type: ignore[assignment]
 
 
-class ExactLength:
-    """Hugging Face logits processor: sentence b of the batch ends at decoder call ``calls[b]`` (EOS
-    removed before, forced there and after)."""
-
-    def __init__(self, calls: Tensor, beams: int) -> None:
-        self.calls = calls.repeat_interleave(beams)  # (B * K,) rows as generate lays them out
-
-    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        call = input_ids.shape[1]  # the decoder start token plus what was generated: this call's number
-        calls = self.calls.to(scores.device)
-        early = calls > call
-        scores[early, EOS] = float("-inf")
-        end = ~early
-        if bool(end.any()):
-            scores[end] = float("-inf")
-            scores[end, EOS] = 0.0
-        return scores
-
-
 def hf_translator(
     model: Any, tok: Any, options: DecodeOptions, device: torch.device, planned: dict[tuple[int, ...], int]
 ) -> Callable[..., Any]:
-    from transformers import GenerationConfig, LogitsProcessorList
+    from transformers import LogitsProcessorList
 
     def translate(lines: list[str]) -> tuple[list[str], list[int]]:
         seqs = [[*s, EOS] for s in encode(tok, lines)]
@@ -157,19 +129,7 @@ def hf_translator(
         for batch in token_batches([len(s) for s in seqs], options.max_tokens, options.batch_size):
             src = pad([seqs[i] for i in batch]).to(device)
             calls = torch.tensor([planned[tuple(seqs[i][:-1])] + 1 for i in batch])  # tokens + EOS
-            config = GenerationConfig(
-                num_beams=options.beam,
-                length_penalty=options.alpha,
-                max_new_tokens=int(calls.max()),
-                do_sample=False,
-                early_stopping=False,
-                suppress_tokens=[PAD],
-                use_cache=True,
-                pad_token_id=PAD,
-                bos_token_id=1,
-                eos_token_id=EOS,
-                decoder_start_token_id=1,
-            )
+            config = generation_config(options.beam, options.alpha, int(calls.max()))
             with torch.inference_mode():
                 out = model.generate(
                     input_ids=src,
@@ -189,6 +149,13 @@ def hf_translator(
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    with tempfile.TemporaryDirectory(prefix="bench-translate-") as tmp:
+        if args.source is None:  # --smoke without --source
+            args.source = shared_data_stub(Path(tmp)) / "newstest2014-en-de" / "newstest2014.en"
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     device = torch.device(args.device)
     torch.set_num_threads(args.threads)
     if not args.source.is_file():
@@ -199,8 +166,9 @@ def main(argv: list[str] | None = None) -> None:
     lines = read_lines(args.source)
     if args.lines:
         lines = lines[: args.lines]
+    cfg = bench_config(args.smoke)
     both = [*read_lines(args.source), *(read_lines(target) if target.is_file() else [])]
-    tok = train_tokenizer(both, VOCAB)
+    tok = train_tokenizer(both, cfg.data.vocab_size)
     defaults = EvalConfig()
     options = DecodeOptions(args.beam, 0.6, 1.0, 1, defaults.max_tokens, defaults.batch_size)
     sources = encode(tok, lines)
@@ -214,19 +182,12 @@ def main(argv: list[str] | None = None) -> None:
         planned.setdefault(tuple(seq), n)  # a source that occurs twice keeps its first plan
     expected = [planned[tuple(seq)] for seq in sources]  # output tokens per sentence, EOS excluded
     plan_lengths(planned)
-    tpe = lower_eos(tpe_model("sinusoidal")).to(device).eval()
-    hf = hf_model("hf-marian").to(device).eval()
+    # EOS is never chosen (its logit lowered by 10^4); the length limit still forces it at the end
+    tpe = suppress_eos(build(cfg, "sinusoidal"), penalty=EOS_PENALTY).to(device).eval()
+    hf = hf_model("hf-marian", model_args(cfg)).to(device).eval()
     hf_translate = hf_translator(hf, tok, options, device, planned)
     src_tokens = sum(len(s) + 1 for s in encode(tok, lines))
-    load = os.getloadavg() if hasattr(os, "getloadavg") else None
-    env = {
-        "torch": torch.__version__,
-        "transformers": __import__("transformers").__version__,
-        "threads": torch.get_num_threads(),
-        "cpu": platform.processor() or platform.machine(),
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "loadavg_at_start": load,
-    }
+    env = environment(device, transformers=__import__("transformers").__version__)
     print(f"env: {env}")
     print(
         f"source: {args.source} ({len(lines)} lines, {src_tokens} tokens with EOS, vocab "
@@ -244,38 +205,31 @@ def main(argv: list[str] | None = None) -> None:
     print(f"warm-up, {len(head)} lines: output tokens per sentence as planned on both sides: {same}")
     out_tokens = sum(expected)
 
-    def tpe_pass() -> int:
-        return translate_stream(tpe, tok, iter(lines), io.StringIO(), options).output_tokens
+    def tpe_pass() -> None:
+        tokens = translate_stream(tpe, tok, iter(lines), io.StringIO(), options).output_tokens
+        assert tokens == out_tokens, f"tpe-translate: {tokens} output tokens, planned {out_tokens}"
 
-    def hf_pass() -> int:
+    def hf_pass() -> None:
         lengths = hf_translate(lines)[1]
         assert lengths == expected, "Hugging Face decoded other lengths than planned"
-        return sum(lengths)
 
-    times: dict[str, list[float]] = {"tpe-translate": [], "hf-generate": []}
-    cpu: dict[str, list[float]] = {"tpe-translate": [], "hf-generate": []}
-    runs: dict[str, Callable[[], int]] = {"tpe-translate": tpe_pass, "hf-generate": hf_pass}
-    order = list(runs)
-    for r in range(args.rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
-            sync(device)
-            t0, c0 = time.perf_counter(), time.process_time()
-            tokens = runs[name]()
-            sync(device)
-            times[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
-            assert tokens == out_tokens, f"{name}: {tokens} output tokens, planned {out_tokens}"
-            print(
-                f"  round {r + 1}: {name} {times[name][-1]:.1f} s (process CPU {cpu[name][-1]:.1f} s)",
-                file=sys.stderr,
-                flush=True,
-            )
+    # rounds alternate the two sides (two rows: the order swaps every round); no warm-up steps here
+    sides = [FnRow("tpe-translate", tpe_pass), FnRow("hf-generate", hf_pass)]
+    interleave(sides, 0, args.rounds, device, "translate", collect="never", cpu_time=True)
     rows = []
-    for name, ts in times.items():
-        median = statistics.median(ts)
-        rows.append({"name": name, "seconds": median, "cpu_seconds": statistics.median(cpu[name]),
-                     "sentences_per_s": len(lines) / median,
-                     "output_tokens_per_s": (out_tokens + len(lines)) / median, "all": ts})  # fmt: skip
+    for side in sides:
+        median = statistics.median(side.times)
+        rows.append(
+            {
+                "name": side.name,
+                "seconds": median,
+                "seconds_p90": p90(side.times),
+                "cpu_seconds": statistics.median(side.cpu_times),
+                "sentences_per_s": len(lines) / median,
+                "output_tokens_per_s": (out_tokens + len(lines)) / median,
+                "all": side.times,
+            }
+        )
     ratio = rows[1]["seconds"] / rows[0]["seconds"]
     cpu_ratio = rows[1]["cpu_seconds"] / rows[0]["cpu_seconds"]
     print(f"\n{'':16}{'s/pass':>10}{'CPU s/pass':>12}{'sentences/s':>14}{'tokens/s':>12}")
@@ -288,13 +242,11 @@ def main(argv: list[str] | None = None) -> None:
         f"tpe-translate / HF generate: {ratio:.2f}x sentences/s (wall, median pass), {cpu_ratio:.2f}x by "
         "process CPU time; tokens/s count output tokens + EOS; every sentence decoded to the planned length"
     )
-    if hasattr(os, "getloadavg"):
-        env["loadavg_at_end"] = os.getloadavg()
-        print(f"load average at start {env['loadavg_at_start']}, at end {env['loadavg_at_end']}")
-    if args.json:
-        payload = {"env": env, "lines": len(lines), "source_tokens": src_tokens, "output_tokens": out_tokens,
-                   "same_lengths": same, "rows": rows, "ratio": ratio, "cpu_ratio": cpu_ratio}  # fmt: skip
-        args.json.write_text(json.dumps(payload, indent=2))
+    env["loadavg_at_end"] = loadavg()
+    print(f"load average at start {env['loadavg_at_start']}, at end {env['loadavg_at_end']}")
+    payload = {"env": env, "lines": len(lines), "source_tokens": src_tokens, "output_tokens": out_tokens,
+               "same_lengths": same, "rows": rows, "ratio": ratio, "cpu_ratio": cpu_ratio}  # fmt: skip
+    write_json(args.json, payload)
 
 
 if __name__ == "__main__":

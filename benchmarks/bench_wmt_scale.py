@@ -3,6 +3,8 @@ parquet layout, prepared with the ``wmt14_en_de_base`` preset, and the token-bat
 
     python benchmarks/bench_wmt_scale.py --out /tmp/wmt-sim                  # 4.5M pairs, num_proc 1 and 2
     python benchmarks/bench_wmt_scale.py --out /tmp/wmt-sim --pairs 200000 --write-only   # a corpus only
+    python benchmarks/bench_wmt_scale.py --smoke --json out.json   # small mode: 2,000 pairs of 5,000 word
+                                                                   # types, a tiny model, seconds
 
 1. The corpus (``OUT/corpus/de-en/{train,validation,test}-0000i-of-0000N.parquet``, a ``translation``
    column of ``{"de": ..., "en": ...}`` as on the hub; not committed). Generated text: two synthetic
@@ -12,8 +14,8 @@ parquet layout, prepared with the ``wmt14_en_de_base`` preset, and the token-bat
 2. ``tpe-data prepare --preset wmt14_en_de_base`` on it (37,000-token joint BPE, learned on
    ``data.tokenizer_sample`` = 1,000,000 pairs spread over the corpus), once with ``data.num_proc=1``
    and once with 2, each in a fresh process with its own store and ``datasets`` cache: wall time,
-   pairs/s, the peak memory of the process tree (PSS summed over its processes, and the anonymous part
-   of it; sampled every second), the store's size.
+   pairs/s, the peak memory of the process tree (``harness.run_sampled``: PSS summed over its
+   processes, and the anonymous part of it; sampled every second), the store's size.
 3. The batch iterator over that store in a fresh process: start-up (open the store, cut the epoch into
    batches of 6,250 tokens, first batch), resident memory, median ms per batch (``next`` + collate), and
    one Transformer-base training step (forward, label-smoothed loss, backward, Adam; 37,000 words) on
@@ -28,18 +30,28 @@ import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
-import threading
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pyarrow as pa
 import pyarrow.parquet as pq
+from harness import (
+    SMOKE_MODEL,
+    Batch,
+    FnRow,
+    TrainRow,
+    dir_bytes,
+    interleave,
+    parse_with_smoke,
+    resident,
+    run_checked,
+    run_sampled,
+    write_json,
+)
 
-ROOT = Path(__file__).resolve().parents[1]
 PRESET = "wmt14_en_de_base"
 SHARD = 500_000  # rows per parquet file, as the hub's shards hold a few hundred thousand
 
@@ -83,10 +95,10 @@ def _sentences(
     return out
 
 
-def write_corpus(out: Path, pairs: int, seed: int = 0) -> dict[str, int]:
-    """The three splits in the hub's layout under ``out/de-en``; returns rows per split."""
+def write_corpus(out: Path, pairs: int, seed: int = 0, types: int = 150_000) -> dict[str, int]:
+    """The three splits in the hub's layout under ``out/de-en``, ``types`` words a language; returns
+    rows per split."""
     rng = np.random.default_rng(seed)
-    types = 150_000
     zipf = 1.0 / np.arange(1, types + 1) ** 1.07
     cdf = np.cumsum(zipf) / zipf.sum()
     vocab = {lang: _words(rng, types, lang) for lang in ("en", "de")}
@@ -109,31 +121,6 @@ def write_corpus(out: Path, pairs: int, seed: int = 0) -> dict[str, int]:
 
 
 # --- 2. preparation -----------------------------------------------------------------------------------
-
-
-def _rollup(pid: int) -> tuple[int, int]:
-    """(PSS, anonymous PSS) of one process in bytes, from the kernel's /proc/PID/smaps_rollup."""
-    fields = {}
-    with open(f"/proc/{pid}/smaps_rollup") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("Pss", "Pss_Anon"):
-                fields[key] = int(rest.split()[0]) * 1024
-    return fields["Pss"], fields["Pss_Anon"]
-
-
-def _tree_memory(proc: psutil.Process) -> tuple[int, int]:
-    """(PSS, anonymous PSS) summed over a process and its children. PSS splits each shared page among
-    the processes that map it, so the sum is the tree's footprint (an RSS sum would count the pages
-    forked workers share with their parent once per process). It includes the pages of memory-mapped
-    files (the Arrow caches) that are resident, which the kernel can drop; the anonymous part (heaps,
-    Python objects) is what it cannot, and what would run a node out of memory."""
-    pss = anon = 0
-    for p in [proc, *proc.children(recursive=True)]:
-        with contextlib.suppress(OSError, KeyError, psutil.Error):
-            a, b = _rollup(p.pid)
-            pss, anon = pss + a, anon + b
-    return pss, anon
 
 
 class MemoryCage:
@@ -178,42 +165,13 @@ def run_measured(
     cmd: list[str], env: dict[str, str], cage: MemoryCage | None = None
 ) -> tuple[float, int, int, str]:
     """(wall seconds, peak PSS and peak anonymous PSS of the process tree in bytes, stdout) of one
-    command. Sampled once a second: reading smaps_rollup walks the page tables (~40 ms a process).
-    ``cage``: run it inside that memory cgroup (the kernel enforces its limit)."""
-    start = time.perf_counter()
-    proc = subprocess.Popen(
-        cmd,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        preexec_fn=cage.enter if cage is not None else None,
-    )
-    peak_pss = peak_anon = 0
-    done = threading.Event()
-    ps = psutil.Process(proc.pid)
-
-    def sample() -> None:
-        nonlocal peak_pss, peak_anon
-        while not done.is_set():
-            pss, anon = _tree_memory(ps)
-            peak_pss, peak_anon = max(peak_pss, pss), max(peak_anon, anon)
-            done.wait(1.0)
-
-    watcher = threading.Thread(target=sample, daemon=True)
-    watcher.start()
-    out, _ = proc.communicate()
-    done.set()
-    watcher.join()
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        killed = " (killed: over the memory limit?)" if proc.returncode in (-9, 137) and cage else ""
-        sys.exit(f"{' '.join(cmd)} failed ({proc.returncode}){killed}:\n{out[-3000:]}")
-    return wall, peak_pss, peak_anon, out
-
-
-def du(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+    command, sampled once a second (``harness.run_sampled``). ``cage``: run it inside that memory
+    cgroup (the kernel enforces its limit)."""
+    r = run_sampled(cmd, env, preexec_fn=cage.enter if cage is not None else None)
+    if r.returncode != 0:
+        killed = " (killed: over the memory limit?)" if r.returncode in (-9, 137) and cage else ""
+        sys.exit(f"{' '.join(cmd)} failed ({r.returncode}){killed}:\n{r.out[-3000:]}")
+    return r.wall_s, r.peak_pss, r.peak_anon, r.out
 
 
 def overrides(corpus: Path, store: Path, num_proc: int) -> list[str]:
@@ -255,8 +213,8 @@ def prepare(corpus: Path, work: Path, num_proc: int, limit_gb: float | None) -> 
         "peak_anon_gib": anon / 2**30,
         "memory_limit_gb": limit_gb,
         "cgroup_peak_gib": charged / 2**30 if charged >= 0 else None,
-        "store_gib": du(store) / 2**30,
-        "cache_gib": du(cache) / 2**30,
+        "store_gib": dir_bytes(store) / 2**30,
+        "cache_gib": dir_bytes(cache) / 2**30,
         "kept_pairs": kept,
         "summary": line,
     }
@@ -265,7 +223,7 @@ def prepare(corpus: Path, work: Path, num_proc: int, limit_gb: float | None) -> 
 # --- 3. the iterator, and a base step -----------------------------------------------------------------
 
 
-def iterator_child(corpus: Path, store: Path, batches: int, steps: int) -> None:
+def iterator_child(corpus: Path, store: Path, batches: int, steps: int, smoke: bool) -> None:
     """In a fresh process: start-up, memory and ms per batch of the iterator, then base-model steps."""
     import torch
 
@@ -273,36 +231,23 @@ def iterator_child(corpus: Path, store: Path, batches: int, steps: int) -> None:
     from tpe_train.config import load_config
     from tpe_train.data.corpus import TrainBatches
     from tpe_train.data.corpus import prepare as prepare_data
-    from tpe_train.model.loss import label_smoothed_loss
 
-    me = psutil.Process()
-    rss0 = me.memory_info().rss
-    cfg = load_config(PRESET, overrides(corpus, store, 1))
+    rss0 = resident()["VmRSS"]
+    cfg = load_config(PRESET, [*overrides(corpus, store, 1), *(SMOKE_MODEL if smoke else [])])
     start = time.perf_counter()
     data = prepare_data(cfg.data)
     it = TrainBatches(data, cfg.data, seed=1)
     first = next(it)
     startup = time.perf_counter() - start
-    times = []
-    for _ in range(batches):
-        t0 = time.perf_counter()
-        next(it)
-        times.append(time.perf_counter() - t0)
-    rss = me.memory_info().rss
+    iterator = FnRow("next", lambda: next(it))
+    interleave([iterator], 0, batches, torch.device("cpu"), "iterator", collect="never", quiet=True)
+    rss = resident()["VmRSS"]
     torch.set_num_threads(2)
     model = build_model(cfg, data.tokenizer)
     opt = torch.optim.Adam(model.parameters(), lr=1e-4)
-    step_times = []
-    for k in range(steps + 1):
-        b = first if k == 0 else next(it)
-        t0 = time.perf_counter()
-        logits = model(b.src, b.tgt_in)
-        loss, _, _ = label_smoothed_loss(logits, b.tgt_out, 0, 0.1)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        if k:
-            step_times.append(time.perf_counter() - t0)
+    step_batches = [Batch.of(b) for b in [first, *(next(it) for _ in range(steps))]]  # one warm-up
+    step = TrainRow("base", model, step_batches, torch.device("cpu"), opt=opt)
+    interleave([step], 1, steps, torch.device("cpu"), "base step", collect="never", quiet=True)
     print(
         "RESULT "
         + json.dumps(
@@ -312,8 +257,8 @@ def iterator_child(corpus: Path, store: Path, batches: int, steps: int) -> None:
                 "startup_s": startup,
                 "rss_gib": rss / 2**30,
                 "rss_added_gib": (rss - rss0) / 2**30,
-                "ms_per_batch": 1000 * statistics.median(times),
-                "base_step_ms": 1000 * statistics.median(step_times),
+                "ms_per_batch": 1000 * statistics.median(iterator.times),
+                "base_step_ms": 1000 * statistics.median(step.times),
                 "tokens_first_batch": int(first.src.numel() + first.tgt_in.numel()),
             }
         )
@@ -322,7 +267,9 @@ def iterator_child(corpus: Path, store: Path, batches: int, steps: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True, help="work directory (corpus, stores, caches)")
+    ap.add_argument(
+        "--out", type=Path, help="work directory (corpus, stores, caches); required but in --smoke"
+    )
     ap.add_argument("--pairs", type=int, default=4_500_000)
     ap.add_argument("--num-proc", default="1,2", help="data.num_proc values to prepare with")
     ap.add_argument("--batches", type=int, default=300, help="iterator batches timed")
@@ -339,16 +286,26 @@ def main() -> None:
     )
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--child", nargs=2, metavar=("CORPUS", "STORE"), help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    # small mode: a corpus of 5,000 word types a language in a temporary --out, a tiny model (SMOKE_MODEL)
+    args = parse_with_smoke(ap, None, {"pairs": 2000, "num_proc": "1", "batches": 20, "steps": 1})
     if args.child:
-        iterator_child(Path(args.child[0]), Path(args.child[1]), args.batches, args.steps)
+        iterator_child(Path(args.child[0]), Path(args.child[1]), args.batches, args.steps, args.smoke)
         return
+    if args.out is None and not args.smoke:
+        ap.error("--out DIR is required")
+    with tempfile.TemporaryDirectory(prefix="bench-wmt-") as tmp:
+        if args.out is None:
+            args.out = Path(tmp)
+        run(args)
+
+
+def run(args: argparse.Namespace) -> None:
     corpus = args.out / "corpus"
     if not (args.reuse_corpus and (corpus / "de-en").is_dir()):
         t0 = time.perf_counter()
-        sizes = write_corpus(corpus, args.pairs)
+        sizes = write_corpus(corpus, args.pairs, types=5000 if args.smoke else 150_000)
         print(
-            f"corpus: {sizes} pairs in {corpus} ({du(corpus) / 2**30:.2f} GiB parquet), "
+            f"corpus: {sizes} pairs in {corpus} ({dir_bytes(corpus) / 2**30:.2f} GiB parquet), "
             f"written in {time.perf_counter() - t0:.0f} s",
             flush=True,
         )
@@ -386,11 +343,9 @@ def main() -> None:
         "--child",
         str(corpus),
         str(store),
+        *(["--smoke"] if args.smoke else []),
     ]
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1"}
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"iterator child failed:\n{proc.stderr[-3000:]}")
+    proc = run_checked(cmd, env={**os.environ, "HF_DATASETS_OFFLINE": "1"}, tail=3000)
     it = json.loads(next(ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT "))[7:])
     results["iterator"] = it
     share = it["ms_per_batch"] / it["base_step_ms"]
@@ -427,8 +382,7 @@ def main() -> None:
             f"{100 * share:.3f}% " + ("met" if share <= 0.02 else "NOT met"),
         )
     )
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
+    write_json(args.json, results)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """The GPU checks of issue 13 in one script (about 8 minutes on one H200); CI has no GPU.
 
     python benchmarks/gpu_attention.py OUT_DIR              # on a machine with a CUDA GPU
-    python benchmarks/gpu_attention.py OUT_DIR --dry-run    # the same code paths on the CPU, tiny shapes
+    python benchmarks/gpu_attention.py OUT_DIR --dry-run    # the same checks on the CPU, tiny shapes,
+                                                            # seconds (the CI smoke test runs it)
 
 1. Gradients (fp32, TF32 off): for every encoding (Shaw with and without relative values), a tiny
    encoder-decoder with padding runs forward + loss + backward through the fused, compiled ``flex``
@@ -9,9 +10,11 @@
    embeddings) and of every parameter, position tables included, must agree within 1e-5 (relative
    to the largest gradient of that tensor). Dry run: flex cannot run a backward on the CPU, so there
    ``sdpa`` stands in for it (the code path is the same, the claim is not).
-2. ``bench_attention.py`` at wmt14_en_de_big in bf16 on the GPU (dry run: the demo preset on the
-   CPU, fp32, tiny batches): every encoding against ``none`` with each backend, eager, and compiled
-   for none/t5/rope; the same shape against MarianMT, BART and T5; beam search flex against sdpa.
+2. ``bench_attention.py`` at wmt14_en_de_big in bf16 on the GPU: every encoding against ``none`` with
+   each backend, eager, and compiled for none/t5/rope; the same shape against MarianMT, BART and T5;
+   beam search flex against sdpa. Dry run: its small mode (``--smoke``: a tiny model on the CPU, fp32,
+   generated text) for t5 and rope and the HF peers, without compiled rows and flex (both
+   compile, which takes minutes on a CPU), beam search explicit against sdpa.
 3. A summary of the issue's GPU goals, each PASS or FAIL with its figure: every encoding within
    1.10x of none (best backend per encoding, eager), peak step memory of t5/alibi/shaw with flex at
    most 0.6x of sdpa's dense-mask path, the compiled step at least 1.3x faster than eager, MFU at
@@ -25,38 +28,32 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
+from harness import ROOT, build
 
-ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
-
-from tpe_train.model.args import ModelArgs  # noqa: E402
-from tpe_train.model.loss import label_smoothed_loss  # noqa: E402
-from tpe_train.model.transformer import Transformer  # noqa: E402
-from tpe_train.positions import POSITIONS, PositionArgs  # noqa: E402
+from tpe_train.config import load_config
+from tpe_train.model.loss import label_smoothed_loss
+from tpe_train.model.transformer import Transformer
+from tpe_train.positions import POSITIONS
 
 VARIANTS = [*POSITIONS.names(), "shaw+values"]
 
 
 def tiny(variant: str, backend: str, device: torch.device) -> Transformer:
     kind = "shaw" if variant == "shaw+values" else variant
-    torch.manual_seed(0)
-    pos = PositionArgs(
-        d_model=64, n_heads=4, causal=False, max_positions=64, shaw_clip=4, t5_buckets=8,
-        t5_max_distance=16, shaw_values=variant == "shaw+values",
-    )  # fmt: skip
-    args = ModelArgs(
-        vocab_size=50, d_model=64, n_heads=4, ffn_dim=128, encoder_layers=2, decoder_layers=2,
-        dropout=0.0, encoder_position=kind, decoder_position=kind, attention=backend, position=pos,
-    )  # fmt: skip
-    model = Transformer(args).to(device)
+    cfg = load_config(None, [
+        "model.d_model=64", "model.n_heads=4", "model.ffn_dim=128", "model.encoder_layers=2",
+        "model.decoder_layers=2", "model.dropout=0", f"model.attention={backend}",
+        f"model.position.kind={kind}", "model.position.max_positions=64", "model.position.shaw_clip=4",
+        "model.position.t5_buckets=8", "model.position.t5_max_distance=16",
+        f"model.position.shaw_values={variant == 'shaw+values'}", "data.vocab_size=50", "data.max_len=60",
+    ])  # fmt: skip
+    model = build(cfg, device=device, seed=0)
     for module in model.modules():
         if getattr(module, "values", None) is not None:
             torch.nn.init.normal_(module.values)  # zero at init: make the value term count
@@ -170,9 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         bench_args = ["--preset", "wmt14_en_de_big", "--device", "cuda", "--bf16", "--hf", "--compile-kinds",
                       "t5,rope", "--decode-batch", "64", "--decode-steps", "30"]  # fmt: skip
     else:
-        bench_args = ["--preset", "demo", "--max-tokens", "600", "--batches", "2", "--steps", "1",
-                      "--kinds", "t5,rope", "--compile-kinds", "rope", "--hf", "--decode", "t5",
-                      "--decode-batch", "4", "--decode-steps", "3", "--decode-rounds", "1"]  # fmt: skip
+        bench_args = ["--preset", "wmt14_en_de_big", "--smoke", "--threads", "1", "--kinds", "t5,rope",
+                      "--hf", "--decode", "t5"]  # fmt: skip
     cmd = [
         sys.executable,
         str(ROOT / "benchmarks" / "bench_attention.py"),
@@ -180,8 +176,7 @@ def main(argv: list[str] | None = None) -> int:
         "--json",
         str(bench_json),
     ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     (args.out / "bench.txt").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
     print(proc.stdout, flush=True)
     if proc.returncode != 0:

@@ -1,5 +1,8 @@
 """The checks that need a GPU, as one script: ``python benchmarks/gpu_check.py OUT_DIR`` on a machine with at
 least one CUDA GPU. Not collected by pytest (CI has no GPU); docs/gpu.md records what it printed.
+``python benchmarks/gpu_check.py OUT_DIR --dry-run`` (any machine, seconds; the CI smoke test runs it) runs
+nothing on a GPU: each check's commands are parsed by their own parsers, their configs loaded and
+validated, and ``tpe-launch run`` prints its command (``--dry-run``).
 
 1. the demo, one process on the GPU with bf16 autocast: trained, exported, evaluated on the GPU;
    probe accuracy at least 90%, as on the CPU;
@@ -11,16 +14,20 @@ Each prints PASS/FAIL and its figures; the exit status is the number of failures
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import io
 import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
+from harness import ROOT, tb_scalars
 
-ROOT = Path(__file__).resolve().parents[1]
 failures: list[str] = []
 
 
@@ -45,12 +52,61 @@ def run(cmd: list[str], log: Path, timeout: int = 600) -> tuple[int, str, float]
 
 
 def tokens_per_s(run_dir: Path) -> float:
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(str(run_dir / "tb"))
-    acc.Reload()
-    values = sorted(e.value for e in acc.Scalars("train/tokens_per_s"))
+    values = sorted(tb_scalars(run_dir, "train/tokens_per_s"))
     return values[len(values) // 2]
+
+
+DEMO = ["--preset", "demo", "train.bf16=true", "train.progress=false"]  # bf16 autocast
+
+
+def demo_cmd(py: str, demo: Path) -> list[str]:
+    """1: the demo, one process on the GPU."""
+    return [py, "-m", "tpe_train.train", *DEMO, f"train.run_dir={demo}"]
+
+
+def launch_overrides(ds: Path, steps: int) -> list[str]:
+    return ["train.save_every=100", "eval.at_end=false", f"train.run_dir={ds}", f"train.max_steps={steps}"]
+
+
+def launch_cmd(py: str, ds: Path, gpus: str, steps: int) -> list[str]:
+    """2: tpe-launch run on this node (DeepSpeed ZeRO-1 over nccl, bf16), ``steps`` steps."""
+    return [py, "-m", "launcher.cli", "run", "--nodes", "1", "--gpus-per-node", gpus, *DEMO,
+            *launch_overrides(ds, steps)]  # fmt: skip
+
+
+def eval_cmd(py: str, demo: Path, device: str) -> list[str]:
+    """3: tpe-eval of the exported demo model on ``device``."""
+    return [py, "-m", "tpe_train.evaluation", "--checkpoint", str(demo / "checkpoint"), "--json", "--device",
+            device]  # fmt: skip
+
+
+def dry_run(out: Path) -> int:
+    """Each check's commands checked without running them: parsed by their own parsers (after
+    ``python -m MODULE``), configs loaded and validated, ``tpe-launch run`` with ``--dry-run``."""
+    from launcher.cli import main as launch_main
+    from tpe_train.evaluation.cli import eval_args
+    from tpe_train.train.cli import main as train_main
+
+    def quiet(fn: Any, argv: list[str]) -> tuple[int, str]:
+        text = io.StringIO()
+        with contextlib.redirect_stdout(text):
+            return fn(argv), text.getvalue()
+
+    py = sys.executable
+    code, text = quiet(train_main, [*demo_cmd(py, out / "demo")[3:], "--print-config"])
+    check("dry run: demo", code == 0 and "bf16: true" in text, f"exit {code}, config loads, bf16 on")
+    for steps in (200, 300):
+        code, text = quiet(launch_main, [*launch_cmd(py, out / "ds", "1", steps)[3:], "--dry-run"])
+        loads, _ = quiet(train_main, [*DEMO, *launch_overrides(out / "ds", steps), "--print-config"])
+        launch = next((line for line in text.splitlines() if "accelerate" in line), "no accelerate command")
+        check(f"dry run: tpe-launch run, {steps} steps", code == 0 and loads == 0, launch[:160])
+    for device in ("cuda", "cpu"):
+        args = eval_args(eval_cmd(py, out / "demo", device)[3:])
+        check(
+            f"dry run: tpe-eval --device {device}", args.device == device, f"--checkpoint {args.checkpoint}"
+        )
+    print(f"{len(failures)} failed: {failures}" if failures else "all passed (dry run: nothing ran on a GPU)")
+    return len(failures)
 
 
 def main(out: Path) -> int:
@@ -60,8 +116,7 @@ def main(out: Path) -> int:
 
     # 1. The demo on one GPU, bf16 autocast.
     demo = out / "demo"
-    code, text, wall = run([py, "-m", "tpe_train.train", "--preset", "demo", "train.bf16=true",
-                            "train.progress=false", f"train.run_dir={demo}"], out / "demo.log")  # fmt: skip
+    code, text, wall = run(demo_cmd(py, demo), out / "demo.log")
     figures = json.loads((demo / "eval.json").read_text()) if code == 0 else {}
     on_gpu = "on cuda:0" in text
     check(
@@ -76,10 +131,7 @@ def main(out: Path) -> int:
     # 2. tpe-launch run on this node: DeepSpeed ZeRO-1 over nccl, bf16; then a resume.
     ds = out / "ds"
     gpus = str(torch.cuda.device_count())
-    base = [py, "-m", "launcher.cli", "run", "--nodes", "1", "--gpus-per-node", gpus, "--preset", "demo",
-            "train.bf16=true", "train.progress=false", "train.save_every=100", "eval.at_end=false",
-            f"train.run_dir={ds}"]  # fmt: skip
-    code, text, wall = run([*base, "train.max_steps=200"], out / "ds.log")
+    code, text, wall = run(launch_cmd(py, ds, gpus, 200), out / "ds.log")
     saved = sorted(p.name for p in (ds / "checkpoints").glob("step-*"))
     check(
         "DeepSpeed ZeRO-1 bf16 on the GPU",
@@ -87,7 +139,7 @@ def main(out: Path) -> int:
         f"exit {code}, {wall:.0f} s, checkpoints {saved}"
         + (f", median {tokens_per_s(ds):,.0f} target tokens/s" if code == 0 else ""),
     )
-    code, text, wall = run([*base, "train.max_steps=300"], out / "ds_resume.log")
+    code, text, wall = run(launch_cmd(py, ds, gpus, 300), out / "ds_resume.log")
     check(
         "resume on the GPU",
         code == 0 and "resumed from" in text and "at step 200" in text,
@@ -97,8 +149,7 @@ def main(out: Path) -> int:
     # 3. tpe-eval on the GPU and on the CPU: the same figures up to float rounding in the search.
     results = {}
     for device in ("cuda", "cpu"):
-        code, text, wall = run([py, "-m", "tpe_train.evaluation", "--checkpoint", str(demo / "checkpoint"),
-                                "--json", "--device", device], out / f"eval_{device}.log")  # fmt: skip
+        code, text, wall = run(eval_cmd(py, demo, device), out / f"eval_{device}.log")
         results[device] = (json.loads(text.strip().splitlines()[-1]) if code == 0 else {}, wall)
     gpu, cpu = results["cuda"][0], results["cpu"][0]
     close = bool(gpu and cpu) and abs(gpu["bleu"] - cpu["bleu"]) < 1.0
@@ -113,4 +164,12 @@ def main(out: Path) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(Path(sys.argv[1]) if len(sys.argv) > 1 else Path("runs/gpu-check")))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "out", type=Path, nargs="?", default=Path("runs/gpu-check"), help="folder for the logs"
+    )
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check the commands on any machine, run nothing"
+    )
+    args = parser.parse_args()
+    sys.exit(dry_run(args.out) if args.dry_run else main(args.out))

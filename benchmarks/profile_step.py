@@ -3,8 +3,10 @@
     python benchmarks/profile_step.py                       # bf16 sinusoidal, 5 profiled steps
     python benchmarks/profile_step.py --dtype fp32 --kind rope --steps 3 --top 30
     python benchmarks/profile_step.py --timer ops --threads 1   # every op timed directly, GEMMs by shape
+    python benchmarks/profile_step.py --smoke --timer ops        # small mode: a tiny shape, 1 + 1 steps
 
-The same model, batches, loss and optimizer as ``bench_train.py``'s training rows (``TrainRow``),
+The same model, batches, loss and optimizer as ``bench_train.py``'s training rows (``harness.TrainRow``
+on ``harness.BENCH_SHAPE`` and ``harness.Uniform`` batches),
 run as the trainer runs (``tpe_train.train.throughput.configure_cpu``). After ``--warmup`` steps, ``--steps``
 steps run under ``torch.profiler``; printed:
 
@@ -34,30 +36,25 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from collections import defaultdict
-from pathlib import Path
 
 import torch
+from harness import (
+    DTYPES,
+    SMOKE_BATCHES,
+    TrainRow,
+    Uniform,
+    bench_config,
+    build,
+    gemm_shapes,
+    model_args,
+    parse_with_smoke,
+)
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-ROOT = Path(__file__).resolve().parent
-sys.path.insert(0, str(ROOT))
-
-from bench_train import (  # noqa: E402
-    BATCH,
-    MAX_LEN,
-    PEAK_DTYPES,
-    PEAK_SHAPES,
-    TrainRow,
-    forward_flops,
-    make_batches,
-    tpe_model,
-)
-
-from tpe_train.train import throughput as perf  # noqa: E402
+from tpe_train.train import throughput
 
 GEMM = ("aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::_mkldnn_linear",
         "mkldnn::_linear_pointwise", "aten::mkldnn_linear_backward_weights", "aten::mkldnn_linear",
@@ -76,7 +73,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--top", type=int, default=25, help="ops listed by self CPU time")
     p.add_argument("--timer", choices=("profiler", "ops"), default="profiler",
                    help="torch.profiler (default), or every ATen op timed by wall clock")  # fmt: skip
-    return p.parse_args(argv)
+    return parse_with_smoke(p, argv, {"warmup": 1, "steps": 1})  # and a tiny shape
 
 
 #: GEMM ops of the ops timer: positions of the two operands, and whether the second is (N, K) as
@@ -120,7 +117,9 @@ class OpTimer(TorchDispatchMode):
         return out
 
 
-def time_ops(row: TrainRow, steps: int, top: int) -> None:
+def time_ops(
+    row: TrainRow, steps: int, top: int, model_flops: int, shapes: list[tuple[int, int, int]]
+) -> None:
     """``--timer ops``: every op's wall time per step, and every GEMM shape's rate."""
     timer = OpTimer()
     with timer:
@@ -141,14 +140,14 @@ def time_ops(row: TrainRow, steps: int, top: int) -> None:
         gflops = f"  {flops / seconds / 1e9:.0f} GFLOP/s" if flops else ""
         print(f"{seconds / steps * 1e3:>8.2f} {calls / steps:>6.0f}  {' '.join(key)}{gflops}")
     # The ceiling: model FLOPs (the bench's count) over the GEMMs' own time, against the peak now.
-    model = forward_flops(MAX_LEN, MAX_LEN + 1)["total"] * BATCH * 3
-    dtype = PEAK_DTYPES[row.dtype]
-    peak = perf.measure_peak(dtype, torch.device("cpu"), PEAK_SHAPES, reps=5).gflops(statistics.median)
+    peak = throughput.measure_peak(DTYPES[row.dtype], torch.device("cpu"), shapes, reps=5).gflops(
+        statistics.median
+    )
     print(
-        f"\nmodel FLOPs {model / 1e9:.1f} GFLOP a step; {row.dtype} GEMM peak measured now "
+        f"\nmodel FLOPs {model_flops / 1e9:.1f} GFLOP a step; {row.dtype} GEMM peak measured now "
         f"{peak:.0f} GFLOP/s (best shape and kernel, median of 5): the step (timed above) at "
-        f"{model / wall / 1e9 / peak:.1%} of it; a step of only its GEMMs, each at its rate in the "
-        f"step, at {model / gemm_s / 1e9 / peak:.1%}"
+        f"{model_flops / wall / 1e9 / peak:.1%} of it; a step of only its GEMMs, each at its rate in the "
+        f"step, at {model_flops / gemm_s / 1e9 / peak:.1%}"
     )
 
 
@@ -156,12 +155,16 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    perf.configure_cpu("auto", torch.device("cpu"))
-    row = TrainRow(args.kind, args.dtype, tpe_model(args.kind), make_batches(0))
+    throughput.configure_cpu("auto", torch.device("cpu"))
+    cfg, uniform = bench_config(args.smoke), SMOKE_BATCHES if args.smoke else Uniform()
+    cpu = torch.device("cpu")
+    batches = uniform.batches(cfg.data.vocab_size, 0, cpu)
+    row = TrainRow(args.kind, build(cfg, args.kind), batches, cpu, args.dtype)
     for _ in range(args.warmup):
         row.step()
     if args.timer == "ops":
-        time_ops(row, args.steps, args.top)
+        flops = throughput.train_flops(model_args(cfg), [(uniform.size, uniform.hi, uniform.hi + 1)])
+        time_ops(row, args.steps, args.top, flops, gemm_shapes(model_args(cfg)))
         return
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
         for _ in range(args.steps):
