@@ -4,7 +4,9 @@ the local Slurm cluster)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import tempfile
+from typing import Any
 
 import pytest
 import torch
@@ -16,3 +18,45 @@ os.environ["TPE_DATA_CACHE"] = tempfile.mkdtemp(prefix="tpe-data-")
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+# --------------------------------------------------------------------------------------------------
+# Marks: `integration` for tests that run the project's commands in other processes (multi-process
+# gloo, accelerate launch, Slurm, the console scripts), `slow` for in-process tests of several
+# seconds. `python -m pytest -m "not integration and not slow"` is the fast unit subset; CI runs all.
+# A test that starts one of the project's commands without the `integration` mark fails, so the
+# subset stays what it claims to be.
+
+_CURRENT: list[pytest.Item] = []
+_PROJECT_COMMANDS = ("tpe_train", "tpe-", "accelerate", "sbatch", "srun", "benchmarks/", "dist_harness")
+
+
+def _starts_project_command(args: object) -> bool:
+    words = [args] if isinstance(args, str | bytes) else list(args)  # type: ignore[call-overload]
+    text = " ".join(str(w) for w in words)
+    return any(name in text for name in _PROJECT_COMMANDS)
+
+
+_popen_init = subprocess.Popen.__init__
+
+
+def _guarded_popen_init(self: subprocess.Popen[Any], args: Any, *rest: Any, **kw: Any) -> None:
+    item = _CURRENT[-1] if _CURRENT else None
+    if item is not None and item.get_closest_marker("integration") is None and _starts_project_command(args):
+        raise pytest.fail.Exception(
+            f"{item.nodeid} starts {args!r} in another process but is not marked "
+            "@pytest.mark.integration; mark it (or the module: pytestmark = pytest.mark.integration)"
+        )
+    _popen_init(self, args, *rest, **kw)
+
+
+subprocess.Popen.__init__ = _guarded_popen_init  # type: ignore[method-assign]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Any:
+    _CURRENT.append(item)
+    try:
+        return (yield)
+    finally:
+        _CURRENT.pop()

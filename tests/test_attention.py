@@ -57,6 +57,7 @@ def test_flex_equals_explicit_in_the_full_pass_and_in_incremental_decoding(varia
     torch.testing.assert_close(torch.cat(steps, dim=1), reference, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["t5", "shaw"])
 def test_flex_beam_search_equals_explicit(kind: str) -> None:
     """Beam search: the beams of a sentence are the queries of one memory (a (B, H, K, hd) block)."""

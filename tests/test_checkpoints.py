@@ -20,6 +20,8 @@ from safetensors.torch import load_file
 from tpe_train.ckpt.shards import iter_tensors, read_index
 from tpe_train.ckpt.store import entries, sha256
 
+pytestmark = pytest.mark.integration  # every test here starts the project's commands
+
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = [
     "data.synthetic.train_size=1500",
@@ -302,7 +304,7 @@ def test_the_final_model_is_the_mean_of_the_last_checkpoints_when_asked(tmp_path
         [
             sys.executable,
             "-m",
-            "tpe_train.evaluation.evaluate",
+            "tpe_train.evaluation",
             "--checkpoint",
             str(run / "averaged-last3"),
             "--json",
@@ -336,7 +338,7 @@ def test_tpe_ckpt_list_average_and_export(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "tpe_train.evaluation.evaluate",
+            "tpe_train.evaluation",
             "--checkpoint",
             str(tmp_path / "exp"),
             "--json",
@@ -358,7 +360,7 @@ def test_a_tampered_export_is_refused(tmp_path: Path) -> None:
     data[-5] ^= 0x01
     path.write_bytes(bytes(data))
     proc = subprocess.run(
-        [sys.executable, "-m", "tpe_train.evaluation.evaluate", "--checkpoint", str(run / "checkpoint")],
+        [sys.executable, "-m", "tpe_train.evaluation", "--checkpoint", str(run / "checkpoint")],
         capture_output=True,
         text=True,
     )

@@ -24,6 +24,8 @@ from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
 from tpe_train.train.step import train_step
 
+pytestmark = pytest.mark.slow  # every test compiles graphs (seconds each)
+
 VARIANTS = [*KINDS, "shaw+values"]
 
 

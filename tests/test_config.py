@@ -97,6 +97,7 @@ def test_unknown_preset_lists_presets() -> None:
         load_config("no-such-preset")
 
 
+@pytest.mark.integration
 def test_cli_error_is_one_message_without_traceback(tmp_path: Path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "tpe_train.train", "model.n_heads=5", f"train.run_dir={tmp_path}/r"],

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tpe_train.parallel.ops import clear_stale_baton
 
 
@@ -43,6 +45,7 @@ print("loaded", op.__name__)
 """
 
 
+@pytest.mark.integration
 def test_the_op_loads_past_a_dead_builders_lock(tmp_path: Path) -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu"}
     proc = subprocess.run(

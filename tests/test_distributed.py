@@ -15,6 +15,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tpe_train.positions import POSITIONS
 
+pytestmark = pytest.mark.integration  # every test here starts the project's commands
+
 ROOT = Path(__file__).resolve().parents[1]
 HARNESS = ROOT / "tests" / "support" / "dist_harness.py"
 
@@ -231,7 +233,7 @@ def test_accelerate_launch_of_the_demo_with_zero2(tmp_path: Path) -> None:
         [
             sys.executable,
             "-m",
-            "tpe_train.evaluation.evaluate",
+            "tpe_train.evaluation",
             "--checkpoint",
             str(run_dir / "checkpoint"),
             "--json",

@@ -111,6 +111,7 @@ def run_linear(fn, x: Tensor, w: Tensor, b: Tensor | None, g: Tensor) -> tuple[T
     return out.detach(), tuple(t.grad if t is not None else None for t in leaves)
 
 
+@pytest.mark.slow
 def test_onednn_linear_is_f_linear_within_rounding_on_every_preset_shape(cpu_gemm: None) -> None:
     kernels.set_cpu_gemm("onednn")
     gen = torch.Generator().manual_seed(0)

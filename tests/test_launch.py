@@ -429,6 +429,7 @@ FAKE_SRUN = textwrap.dedent(
 )
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize(
     "outcomes, srun_code, requeued, code",
     [

@@ -172,6 +172,7 @@ def test_impossible_layouts_are_refused(
         resolve_layout(load_config("demo", overrides))
 
 
+@pytest.mark.integration
 def test_impossible_layout_stops_the_trainer_before_any_work(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.run(

@@ -341,6 +341,8 @@ def run_command(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
                 return "tpe-train"
             if module == "tpe_train.study.cli":
                 return run_command(["tpe-study", *rest], monkeypatch)
+            if module == "tpe_train.evaluation" and rest[:1] == ["translate"]:
+                return run_command(["tpe-translate", *rest[1:]], monkeypatch)
             if module == "tpe_train.evaluation":
                 return run_command(["tpe-eval", *rest], monkeypatch)
             raise AssertionError(f"python -m {module}: a module this test does not know; teach it")

@@ -21,6 +21,8 @@ import torch
 from tpe_train.ckpt.shards import iter_tensors, read_index
 from tpe_train.ckpt.store import entries
 
+pytestmark = pytest.mark.integration  # every test here starts the project's commands
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
     "data.synthetic.train_size=1500",

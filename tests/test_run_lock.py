@@ -17,6 +17,8 @@ from test_checkpoints import SMALL, samples, steps_of, train
 
 from tpe_train.run.lock import LOCK_NAME, RunDirBusy, RunLock, scope_warning
 
+pytestmark = pytest.mark.integration  # every test here starts the project's commands
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

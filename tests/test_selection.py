@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from test_checkpoints import exported, steps_of, train, weights
@@ -37,6 +38,7 @@ def trainer_state(run: Path, step: int) -> dict:
     return json.loads((run / f"checkpoints/step-{step:08d}/trainer.json").read_text())
 
 
+@pytest.mark.integration
 def test_the_best_checkpoint_is_kept_and_selected_and_patience_stops_the_run(tmp_path: Path) -> None:
     run = tmp_path / "run"
     proc = train(run, *NOISY, *SELECT, "eval.at_end=true")

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 from support.slurm_cluster import SlurmCluster, slurm_fixture  # noqa: F401  (the session fixture `slurm`)
 
+pytestmark = pytest.mark.integration  # every test here starts the project's commands
+
 TINY = [
     "data.synthetic.train_size=1500",
     "data.synthetic.valid_size=20",

@@ -133,6 +133,7 @@ def _write_text_corpus(root: Path, n_train: int = 300) -> None:
         (root / f"{split}.de.gz").write_bytes(gzip.compress("".join(t + "\n" for _, t in pairs).encode()))
 
 
+@pytest.mark.integration
 def test_training_on_a_text_corpus_end_to_end(tmp_path: Path) -> None:
     import json
     import subprocess
@@ -153,6 +154,7 @@ def test_training_on_a_text_corpus_end_to_end(tmp_path: Path) -> None:
     assert figures["test_sentences"] == 20 and figures["probe_accuracy"] is None
 
 
+@pytest.mark.integration
 def test_bad_corpus_stops_the_cli_with_one_message(tmp_path: Path) -> None:
     import subprocess
     import sys

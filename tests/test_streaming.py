@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
 from datasets import Dataset
 
 from tpe_train.data import synthetic
@@ -109,6 +110,7 @@ def test_text_corpus_streams_lazily_and_reports_misalignment(tmp_path) -> None: 
         list(stream_split(spec, "train"))
 
 
+@pytest.mark.integration
 def test_training_streams_a_text_corpus_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import subprocess
     import sys

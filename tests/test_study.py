@@ -354,6 +354,7 @@ def study_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+@pytest.mark.integration
 def test_study_trains_every_cell_and_averages_its_last_checkpoints(study_dir: Path) -> None:
     for seed in (1, 2):
         for kind in ("sinusoidal", "learned"):
@@ -370,6 +371,7 @@ def test_study_trains_every_cell_and_averages_its_last_checkpoints(study_dir: Pa
             assert figures["test_sentences"] == 20 and figures["probe_pairs"] == 6
 
 
+@pytest.mark.integration
 def test_parallel_runs_overlap_and_share_the_cores(study_dir: Path) -> None:
     """--jobs 2: the first two runs train at the same time, each with half of the cores. Their
     processes' lifetimes, as the study logged them (start before the process, exit after it), overlap;
@@ -388,6 +390,7 @@ def test_parallel_runs_overlap_and_share_the_cores(study_dir: Path) -> None:
     assert f"train.threads={threads}" in (first / "study.log").read_text()
 
 
+@pytest.mark.integration
 def test_interrupting_parallel_runs_stops_them_and_starts_no_more(tmp_path: Path) -> None:
     """Ctrl-C during --jobs 2: both running runs get SIGTERM (they save and exit), the third never
     starts, and the study exits at once with 130 instead of training what was queued."""
@@ -412,6 +415,7 @@ def test_interrupting_parallel_runs_stops_them_and_starts_no_more(tmp_path: Path
     assert not (out / "runs" / "s1" / "rope").exists()
 
 
+@pytest.mark.integration
 def test_a_signal_to_the_study_starts_no_more_runs_even_when_the_run_did_not_save(tmp_path: Path) -> None:
     """SIGTERM to the study while its first run's trainer is still starting (before it handles signals,
     so the signal ends it without a checkpoint), and again: the study exits 75 and the second run never
@@ -437,6 +441,7 @@ def test_a_signal_to_the_study_starts_no_more_runs_even_when_the_run_did_not_sav
     assert not (out / "runs" / "s1" / "learned").exists(), output[-3000:]
 
 
+@pytest.mark.integration
 def test_study_writes_the_table_of_means_and_deviations(study_dir: Path) -> None:
     report = (study_dir / "report" / "report.md").read_text()
     assert (
@@ -456,6 +461,7 @@ def test_study_writes_the_table_of_means_and_deviations(study_dir: Path) -> None
         assert f"{statistics.fmean(bleus):.1f} ± {statistics.stdev(bleus):.1f}" in row
 
 
+@pytest.mark.integration
 def test_report_pairs_every_setting_with_the_baseline_per_seed_and_pooled(study_dir: Path) -> None:
     """The paired bootstrap of learned against sinusoidal (the default baseline) uses the test hypotheses
     each averaged model's evaluation kept: seed with seed, and all seeds' sentences pooled."""
@@ -490,6 +496,7 @@ def test_report_pairs_every_setting_with_the_baseline_per_seed_and_pooled(study_
     assert f"| {delta:+.1f} (p {'< 0.001' if p < 0.001 else f'{p:.3f}'}) |" in row
 
 
+@pytest.mark.integration
 def test_study_plots_are_png_files_and_tensorboard_images(study_dir: Path) -> None:
     report = study_dir / "report"
     for stem in PLOTS:
@@ -504,6 +511,7 @@ def test_study_plots_are_png_files_and_tensorboard_images(study_dir: Path) -> No
         assert image.encoded_image_string.startswith(PNG) and image.width > 100 and image.height > 100
 
 
+@pytest.mark.integration
 def test_report_regathers_an_existing_study_without_training(
     study_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -557,6 +565,7 @@ def test_a_runs_log_shows_each_line_while_it_runs(tmp_path: Path) -> None:
     assert result == [0] and log.read_text().rstrip().splitlines()[-1].startswith("# exit 0 at ")
 
 
+@pytest.mark.integration
 def test_an_archive_holds_the_figures_without_weights_or_machine_paths(
     study_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -54,6 +54,7 @@ def test_run_directory_keeps_its_vocabulary(tmp_path: Path) -> None:
         prepare(cfg(tmp_path, "data.vocab_size=120"), run_tokenizer=run_tok)
 
 
+@pytest.mark.integration
 def test_tpe_data_prepare_cli(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "tpe_train.data.cli", "prepare", *SMALL, f"data.store_dir={tmp_path}"]
     first = subprocess.run(cmd, capture_output=True, text=True, timeout=300)

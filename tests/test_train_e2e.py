@@ -12,6 +12,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tpe_train.ckpt.export import load_export
 
+pytestmark = pytest.mark.integration  # every test here starts the project's commands
+
 TINY = [
     "data.synthetic.train_size=400",
     "data.synthetic.valid_size=20",
@@ -104,7 +106,7 @@ def test_tpe_eval_json(run_dir: Path) -> None:
         [
             sys.executable,
             "-m",
-            "tpe_train.evaluation.evaluate",
+            "tpe_train.evaluation",
             "--checkpoint",
             str(run_dir / "checkpoint"),
             "--json",
@@ -127,7 +129,7 @@ def test_tpe_eval_json(run_dir: Path) -> None:
 
 def test_tpe_eval_rejects_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "tpe_train.evaluation.evaluate", "--checkpoint", str(tmp_path)],
+        [sys.executable, "-m", "tpe_train.evaluation", "--checkpoint", str(tmp_path)],
         capture_output=True,
         text=True,
         timeout=120,
@@ -139,7 +141,7 @@ def test_tpe_eval_rejects_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -
 @pytest.mark.parametrize("device", ["cuda:99", "potato"])
 def test_tpe_eval_refuses_a_device_it_cannot_use(run_dir: Path, device: str) -> None:
     proc = subprocess.run(
-        [sys.executable, "-m", "tpe_train.evaluation.evaluate", "--checkpoint", str(run_dir / "checkpoint"),
+        [sys.executable, "-m", "tpe_train.evaluation", "--checkpoint", str(run_dir / "checkpoint"),
          "--device", device],
         capture_output=True,
         text=True,

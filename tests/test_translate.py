@@ -16,11 +16,10 @@ from sacrebleu.metrics import BLEU
 from sacrebleu.significance import PairedTest
 
 from tpe_train.ckpt.export import build_model, load_export, save_export
+from tpe_train.evaluation.cli import eval_main, translate_main
 from tpe_train.evaluation.decoding import read_lines, token_batches
 from tpe_train.evaluation.evaluate import EvalFiles, config_sets
-from tpe_train.evaluation.evaluate import main as eval_main
 from tpe_train.evaluation.metrics import paired_bootstrap
-from tpe_train.evaluation.translate import main as translate_main
 
 # The demo preset at a small size, learned positions of 48 rows (so a long line is too long for it).
 TINY = [
@@ -89,6 +88,7 @@ def evaluated(run_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
     return EvalFiles(out), table.getvalue()
 
 
+@pytest.mark.integration
 def test_translate_gives_what_evaluation_scored_for_a_file_and_for_stdin(
     run_dir: Path, test_files: tuple[Path, Path], evaluated: tuple[EvalFiles, str], tmp_path: Path
 ) -> None:
@@ -100,7 +100,7 @@ def test_translate_gives_what_evaluation_scored_for_a_file_and_for_stdin(
     assert translate_main(["--checkpoint", str(ckpt), "-i", str(src), "-o", str(out)]) == 0
     assert read_lines(out) == scored
     proc = subprocess.run(
-        [sys.executable, "-m", "tpe_train.evaluation.translate", "--checkpoint", str(ckpt)],
+        [sys.executable, "-m", "tpe_train.evaluation", "translate", "--checkpoint", str(ckpt)],
         input=src.read_bytes(),
         capture_output=True,
         timeout=300,
@@ -112,6 +112,7 @@ def test_translate_gives_what_evaluation_scored_for_a_file_and_for_stdin(
     assert "sent/s" not in err and "%|" not in err  # no progress bar when piping
 
 
+@pytest.mark.integration
 def test_nbest_lists_are_sorted_and_begin_with_the_best(
     run_dir: Path, test_files: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -135,6 +136,7 @@ def test_nbest_lists_are_sorted_and_begin_with_the_best(
     assert "raise --beam to at least 3" in capsys.readouterr().err
 
 
+@pytest.mark.integration
 def test_empty_over_long_and_invalid_lines(
     run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -169,6 +171,7 @@ def test_empty_over_long_and_invalid_lines(
     assert [p.name for p in tmp_path.iterdir() if "bad.hyp" in p.name] == ["bad.hyp"]
 
 
+@pytest.mark.integration
 def test_invalid_utf8_on_stdin_names_the_line(run_dir: Path, monkeypatch: pytest.MonkeyPatch,
                                               capsys: pytest.CaptureFixture[str]) -> None:  # fmt: skip
     data = b"the small cat helps a river .\n\xff\xfe\n"
@@ -199,6 +202,7 @@ def _sacrebleu(ref: Path, hyp: Path) -> float:
     return float(proc.stdout.strip())
 
 
+@pytest.mark.integration
 def test_splits_and_files_score_as_the_sacrebleu_command(
     run_dir: Path,
     test_files: tuple[Path, Path],
@@ -243,6 +247,7 @@ def test_splits_and_files_score_as_the_sacrebleu_command(
     assert "no split 'test_2017'" in err and "Traceback" not in err
 
 
+@pytest.mark.integration
 def test_paired_bootstrap_tells_positions_from_none_and_a_model_from_itself(
     run_dir: Path, test_files: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -12,10 +12,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from test_checkpoints import steps_of
 from test_sources import write_hub_layout
 
 from tpe_train.data import synthetic
+
+pytestmark = pytest.mark.integration  # every test here starts the project's commands
 
 SMALL_MODEL = [
     "model.d_model=32",
@@ -66,7 +69,7 @@ def test_wmt14_base_preset_prepares_trains_resumes_averages_and_evaluates(tmp_pa
     assert figures["test_sentences"] == 100 and 0 <= figures["bleu"] <= 100
     assert "bleu_tokenized" in figures  # the papers' figure beside sacreBLEU, as the preset promises
     limited = _run(
-        "tpe_train.evaluation.evaluate", "--checkpoint", str(final), "--limit", "30", "--beam", "2", "--json"
+        "tpe_train.evaluation", "--checkpoint", str(final), "--limit", "30", "--beam", "2", "--json"
     )
     result = json.loads(limited.stdout)
     assert list(result["sets"]) == ["test[:30]"] and result["test_sentences"] == 30
