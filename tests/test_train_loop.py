@@ -9,6 +9,7 @@ from tpe_train.config import load_config
 from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
+from tpe_train.train.cadence import Cadence
 from tpe_train.train.step import inverse_sqrt, train_step
 
 
@@ -51,3 +52,17 @@ def test_inverse_sqrt_schedule() -> None:
     f = inverse_sqrt(100)
     assert f(1) == 0.01 and f(50) == 0.5 and f(100) == 1.0
     assert abs(f(400) - 0.5) < 1e-12  # sqrt(100 / 400)
+
+
+def test_the_loop_logs_validates_and_saves_on_its_cadence_and_always_at_the_last_step() -> None:
+    cfg = load_config(
+        "demo", ["train.max_steps=10", "train.log_every=3", "train.valid_every=4", "train.save_every=5"]
+    )
+    cadence = Cadence.of(cfg.train)
+    steps = range(1, 11)
+    assert [s for s in steps if cadence.should_log(s)] == [3, 6, 9, 10]
+    assert [s for s in steps if cadence.should_validate(s)] == [4, 8, 10]
+    assert [s for s in steps if cadence.should_save(s)] == [5, 10]
+    assert cadence.should_save(2, stopping=True) and cadence.should_save(2, new_best=True)
+    never = Cadence.of(load_config("demo", ["train.max_steps=10", "train.save_every=0"]).train)
+    assert [s for s in steps if never.should_save(s)] == [10]  # save_every=0: only at the end
