@@ -24,7 +24,8 @@ Backends (``model.attention``; ``choose_backend`` resolves ``auto`` per call):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -66,6 +67,25 @@ def choose_backend(
     if device.type == "cuda" and pos.has_bias and not (training and dropout > 0):
         return "flex"
     return "sdpa"
+
+
+class _Route:
+    """Whether ``_sdpa`` calls ``F.scaled_dot_product_attention`` on the CPU too (``gpu_route``)."""
+
+    gpu = False
+
+
+@contextlib.contextmanager
+def gpu_route() -> Iterator[None]:
+    """Within it, the CPU takes the GPU's attention call: ``_sdpa`` hands q, k, v and the mask to
+    ``F.scaled_dot_product_attention`` exactly as it does on a GPU instead of the CPU's written-out
+    formula, so that a CPU test sees what a GPU's kernel receives (dtypes, strides, masks). A switch
+    for tests and benchmarks, not a setting: not thread-safe, not for compiled code."""
+    before, _Route.gpu = _Route.gpu, True
+    try:
+        yield
+    finally:
+        _Route.gpu = before
 
 
 class Mask:
@@ -113,7 +133,9 @@ class Mask:
         # attribute just set back as None, and flex ran without the padding mask
         return block
 
-    def dense(self, pos: PositionEncoding, bias: Callable[[], Tensor | None]) -> Tensor | None:
+    def dense(
+        self, pos: PositionEncoding, bias: Callable[[], Tensor | None], dtype: torch.dtype
+    ) -> Tensor | None:
         """The dense additive mask of the sdpa and explicit backends: ``bias()`` (the encoding's logit
         term) with padding and causality folded in, (B|1, H|1, Lq, Lk).
 
@@ -122,9 +144,9 @@ class Mask:
         by the first layer and reused by the others, so that the bias, its masking and the backward of
         both run once per stack instead of once per layer. Not kept inside compiled code (there the
         compiler fuses the recomputation)."""
-        if self._dense is not None and self._dense[0] is pos:
+        if self._dense is not None and self._dense[0] is pos and self._dense[1].dtype == dtype:
             return self._dense[1]
-        mask = _mask(bias(), self.keep, self.causal, self.q_pos, self.k_pos)
+        mask = _mask(bias(), self.keep, self.causal, self.q_pos, self.k_pos, dtype)
         if mask is not None and not torch.compiler.is_compiling():
             self._dense = (pos, mask)
         return mask
@@ -347,8 +369,8 @@ class Attention(nn.Module):
 
             def folded() -> Tensor | None:
                 if shared:
-                    return mask.dense(pos, lambda: pos.attn_bias(q, q_pos, k_pos))
-                return _mask(bias, keep, causal, q_pos, k_pos)
+                    return mask.dense(pos, lambda: pos.attn_bias(q, q_pos, k_pos), q.dtype)
+                return _mask(bias, keep, causal, q_pos, k_pos, q.dtype)
 
             if backend == "explicit":
                 out = self._explicit(q, k, v, pos, q_pos, k_pos, folded(), p)
@@ -359,7 +381,7 @@ class Attention(nn.Module):
             else:
                 dense = folded()
                 assert dense is not None
-                out = _sdpa(q, k, v, dense.to(q.dtype), p)
+                out = _sdpa(q, k, v, dense, p)
         if beams:
             out = out.transpose(1, 2).reshape(-1, out.shape[1], 1, out.shape[3])  # (B*K, H, 1, hd)
         b, _, length, _ = out.shape
@@ -401,7 +423,7 @@ def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float, is_cau
     (one token, or the beams of a sentence against its memory) the formula is used too (only without
     gradients, so that a compiled training step never specialises on the length).
     """
-    if q.device.type != "cpu":
+    if q.device.type != "cpu" or _Route.gpu:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
     small = not torch.is_grad_enabled() and q.shape[2] <= 8  # decoding (training: no length branch)
     float_mask = mask is not None and mask.dtype != torch.bool
@@ -431,15 +453,21 @@ def _weights(q: Tensor, k: Tensor, mask: Tensor | None, p: float, is_causal: boo
 
 
 def _mask(
-    bias: Tensor | None, keep: Tensor | None, causal: bool, q_pos: Tensor, k_pos: Tensor
+    bias: Tensor | None,
+    keep: Tensor | None,
+    causal: bool,
+    q_pos: Tensor,
+    k_pos: Tensor,
+    dtype: torch.dtype,
 ) -> Tensor | None:
-    """Fold bias, key padding and causality into one additive float mask (B|1, H|1, Lq, Lk)."""
+    """Fold bias, key padding and causality into one additive float mask (B|1, H|1, Lq, Lk) in
+    ``dtype`` (the compute dtype: q's), built in it rather than cast per layer."""
     if bias is None and keep is None and not causal:
         return None
     if bias is None:
-        mask = torch.zeros(1, 1, q_pos.numel(), k_pos.numel(), device=q_pos.device)
+        mask = torch.zeros(1, 1, q_pos.numel(), k_pos.numel(), dtype=dtype, device=q_pos.device)
     else:
-        mask = bias
+        mask = bias.to(dtype)
     if causal:
         future = k_pos[None, :] > q_pos[:, None]  # (Lq, Lk)
         mask = mask.masked_fill(future, float("-inf"))

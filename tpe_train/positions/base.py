@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -32,6 +32,8 @@ from tpe_train.positions.registry import Registry
 
 #: FlexAttention's score_mod: (score, batch, head, q_idx, kv_idx) -> modified score (0-d tensors)
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,6 +117,27 @@ class PositionEncoding(nn.Module):
             return score + bias[b, h, q_idx, kv_idx].to(score.dtype)
 
         return mod
+
+    def memo(self, key: str, positions: tuple[Tensor, ...], dtype: torch.dtype, build: Callable[[], T]) -> T:
+        """``build()``, built once per batch and reused by every layer of the stack: kept while the same
+        position tensors (by identity: a ``Mask`` passes the same ones to every layer) and compute dtype
+        come back, replaced at the next batch. Terms of the positions only (no gradient, no state).
+        Not kept inside compiled code, where the compiler fuses the recomputation instead."""
+        if torch.compiler.is_compiling():
+            return build()
+        memo: dict[str, tuple[tuple[Tensor, ...], torch.dtype, Any]] = self.__dict__.setdefault("_memo", {})
+        hit = memo.get(key)
+        if (
+            hit is not None
+            and hit[1] == dtype
+            and len(hit[0]) == len(positions)
+            and all(a is b for a, b in zip(hit[0], positions, strict=True))
+        ):
+            value: T = hit[2]
+            return value
+        value = build()
+        memo[key] = (positions, dtype, value)
+        return value
 
     def keep_heads(self, heads: list[int]) -> None:
         """Serve only the global heads ``heads`` (a tensor-parallel rank's share): per-head tables and

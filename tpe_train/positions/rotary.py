@@ -9,18 +9,16 @@ from torch import Tensor
 from tpe_train.positions.base import POSITIONS, PositionArgs, PositionEncoding
 
 
-def _rotate_half(x: Tensor) -> Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 @POSITIONS.register("rope")
 class RotaryPosition(PositionEncoding):
     """RoPE in the half-split layout (GPT-NeoX): pairs (x_i, x_{i + hd/2}) rotate together by the angle
     pos * base^(-2i/hd), i < hd/2.
 
-    The angles are computed from the positions on their device at each call, in float64 (exact for
-    any position a model meets), then rounded to float32: no table sized on the host, no host sync.
+    The angles are computed from the positions on their device, in float64 (exact for any position a
+    model meets), rounded to float32 and then to the compute dtype: once per stack and batch (``memo``:
+    every layer reuses them), no table sized on the host, no host sync. The rotation works in the
+    projection's own (B, L, H, hd) layout, so rotated q and k keep the memory order (and the strides'
+    order) of the unrotated ones: attention's kernels see one layout whatever the encoding.
     """
 
     def __init__(self, args: PositionArgs) -> None:
@@ -37,9 +35,20 @@ class RotaryPosition(PositionEncoding):
         emb = torch.cat((freqs, freqs), dim=-1)  # (L, hd)
         return emb.cos().float(), emb.sin().float()
 
-    def _rotated(self, x: Tensor, pos: Tensor) -> Tensor:
+    def tables(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and the signed sin (-sin on the first half, +sin on the second) as (L, 1, hd) in
+        ``dtype``: x * cos + swap_halves(x) * signed_sin is the half-split rotation."""
         cos, sin = self.cos_sin(pos)
-        return x * cos.to(x.dtype) + _rotate_half(x) * sin.to(x.dtype)
+        half = sin.shape[-1] // 2
+        signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        return cos.to(dtype)[:, None, :], signed.to(dtype)[:, None, :]
+
+    def _rotated(self, x: Tensor, pos: Tensor) -> Tensor:
+        cos, sin = self.memo("tables", (pos,), x.dtype, lambda: self.tables(pos, x.dtype))
+        t = x.transpose(1, 2)  # (B, L, H, hd): the projection's layout (a view, no copy)
+        half = t.shape[-1] // 2
+        swapped = torch.cat((t[..., half:], t[..., :half]), dim=-1)
+        return (t * cos + swapped * sin).transpose(1, 2)
 
     def rotate(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
         q = self._rotated(q, q_pos)

@@ -48,15 +48,24 @@ def autocast(enabled: bool, device: torch.device) -> contextlib.AbstractContextM
     return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
 
 
-def batch_loss(
+def batch_terms(
     model: Any, batch: Batch, cfg: Config, cast: bool, grad_scale: float = 1.0
-) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(summed smoothed loss, summed nll, target tokens) of one batch, on the batch's device;
-    ``cast``: bf16 autocast; ``grad_scale``: the factor of the loss in the backward that follows."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(summed smoothed loss, summed nll, target tokens) of one batch as tensors on the batch's
+    device, nothing read back to the host; ``cast``: bf16 autocast; ``grad_scale``: the factor of
+    the loss in the backward that follows."""
     with autocast(cast, batch.src.device):
         logits = model(batch.src, batch.tgt_in)
     smoothing = cfg.train.label_smoothing
     loss, nll, ntok = label_smoothed_loss(logits, batch.tgt_out, PAD_ID, smoothing, grad_scale)
+    return loss, nll, ntok
+
+
+def batch_loss(
+    model: Any, batch: Batch, cfg: Config, cast: bool, grad_scale: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """``batch_terms`` with the token count read back as an int (a host sync: evaluation only)."""
+    loss, nll, ntok = batch_terms(model, batch, cfg, cast, grad_scale)
     return loss, nll, int(ntok)
 
 
@@ -69,17 +78,24 @@ def train_step(
     by their count, so that 2 ranks x k batches give exactly the gradient of one process holding the
     same 2k batches. The token count is summed over ranks first; each backward then multiplies by
     ``accumulate * dp_size``, which undoes the averaging that accelerate/DeepSpeed apply over
-    accumulation steps and data-parallel ranks."""
+    accumulation steps and data-parallel ranks.
+
+    No host sync per micro-batch: the token count comes from the host batches, and the losses are
+    summed on the device in float64 (the same additions, in the same order, as Python floats of
+    each micro-batch's loss) and read back once, after the optimizer step."""
     ntok = ctx.dp_sum([float(sum(b.target_tokens for b in micro))])[0]
     scale = cfg.train.accumulate * ctx.dp_size / ntok
     seen = scale / cfg.train.accumulate  # every engine divides by ``accumulate``: the loss's backward factor
-    loss_sum, nll_sum = 0.0, 0.0
+    sums: torch.Tensor | None = None  # (loss, nll) summed in float64 on the device
     for batch in micro:
-        loss, nll, _ = batch_loss(engine.forward, batch.to(ctx.device), cfg, cast, seen)
+        loss, nll, _ = batch_terms(engine.forward, batch.to(ctx.device), cfg, cast, seen)
         engine.backward(loss * scale)
-        loss_sum, nll_sum = loss_sum + float(loss.detach()), nll_sum + float(nll)
+        both = torch.stack([loss.detach(), nll.detach()]).to(torch.float64)
+        sums = both if sums is None else sums + both
     grad_norm = engine.step()
-    loss_sum, nll_sum = ctx.dp_sum([loss_sum, nll_sum])
+    assert sums is not None, "train_step needs at least one micro-batch"
+    loss_host, nll_host = sums.tolist()  # the step's one read of the losses
+    loss_sum, nll_sum = ctx.dp_sum([loss_host, nll_host])
     return {"loss": loss_sum / ntok, "nll": nll_sum / ntok, "grad_norm": grad_norm, "tokens": ntok}
 
 
