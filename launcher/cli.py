@@ -18,7 +18,16 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import NoReturn
 
-from launcher.plan import LaunchError, LaunchPlan, Layout, NodeEnv, Resources, sweep_kind, sweep_overrides
+from launcher.plan import (
+    LaunchError,
+    LaunchPlan,
+    Layout,
+    NodeEnv,
+    Resources,
+    batch_line,
+    sweep_kind,
+    sweep_overrides,
+)
 from launcher.submit import SCRIPTS, SubmitArgs, build, dry_run_text, report, submit
 from launcher.supervise import run_node, supervise_job
 
@@ -131,6 +140,7 @@ def cmd_run(argv: list[str]) -> int:
     env = plan.env(os.environ)
     if args.dry_run:
         print(f"# {plan.describe()}")
+        print(batch_line(plan.preset, plan.overrides, plan.resources.processes, plan.layout))
         extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
         print(shlex.join([f"{k}={v}" for k, v in sorted(extra.items())] + plan.command()))
         return 0

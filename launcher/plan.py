@@ -14,6 +14,7 @@ Pure functions and small dataclasses, so that the command is unit-testable from 
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -126,11 +127,17 @@ class Layout:
         ds = (data.get("deepspeed_config") or {}).get("deepspeed_config_file")
         ds_path = None
         if ds:
-            # the launch files name their DeepSpeed file relative to the repository root
-            ds_path = Path(ds) if Path(ds).is_absolute() else ROOT / ds
+            ds_path = deepspeed_file(Path(ds), path)
         kind = data.get("distributed_type", "NO")
         kind = "NO" if kind is False else str(kind)  # YAML 1.1 reads a bare NO as false
         return cls(path.resolve(), kind, bool(data.get("use_cpu")), ds_path)
+
+    def autotp_size(self) -> int:
+        """The tensor-parallel size its DeepSpeed file asks for (1 without one)."""
+        if self.deepspeed_file is None:
+            return 1
+        data = json.loads(self.deepspeed_file.read_text())
+        return int((data.get("tensor_parallel") or {}).get("autotp_size", 1))
 
     @classmethod
     def default(cls, res: Resources) -> Layout:
@@ -160,6 +167,18 @@ class Layout:
             raise LaunchError(
                 f"layout {self.name} names the DeepSpeed file {self.deepspeed_file}, which is missing"
             )
+
+
+def deepspeed_file(name: Path, launch_file: Path) -> Path:
+    """The absolute path of the DeepSpeed file a launch file names: as given when absolute, else relative
+    to the launch file's folder, else (the repository's own launch files) to the repository root;
+    never to the directory the launcher runs in. The command passes it on absolute."""
+    if name.is_absolute():
+        return name
+    for base in (launch_file.resolve().parent, ROOT):
+        if (base / name).is_file():
+            return (base / name).resolve()
+    return (launch_file.resolve().parent / name).resolve()  # missing: Layout.check names this path
 
 
 @dataclass(frozen=True)
@@ -338,3 +357,38 @@ def sweep_overrides(overrides: list[str], kind: str, root: str | os.PathLike[str
             "array element); drop it from the overrides and pick the sweep's root with --sweep-root"
         )
     return [*overrides, f"model.position.kind={kind}", f"train.run_dir={Path(root) / kind}"]
+
+
+def batch_line(preset: str, overrides: list[str], processes: int, layout: Layout) -> str:
+    """What one optimizer step of this launch trains (``train.batch_tokens`` resolved for these
+    processes), as the trainer prints it at start; a comment line for ``--dry-run``. The mean target
+    tokens of a micro-batch are counted in the token store when it is prepared, else estimated."""
+    from tpe_train.config import ConfigError, load_config  # imports torch: only for --dry-run
+    from tpe_train.data.batching import length_arrays
+    from tpe_train.data.store import load_store, store_path
+    from tpe_train.parallel.batch import estimated_micro_tokens, micro_tokens, resolve
+
+    try:
+        cfg = load_config(preset, overrides)
+    except ConfigError as err:
+        raise LaunchError(str(err)) from None
+    tp = cfg.parallel.tp_size or layout.autotp_size()
+    if processes % tp:
+        raise LaunchError(f"{processes} processes do not split into tensor-parallel groups of {tp}")
+    dp, max_tokens = processes // tp, cfg.data.max_tokens
+    if max_tokens == 0:
+        return (
+            f"# batch: data.max_tokens=auto is probed on the GPUs at start; {dp} data-parallel ranks, "
+            f"accumulation for train.batch_tokens={cfg.train.batch_tokens:,} derived then"
+        )
+    stored = None if cfg.data.streaming else load_store(store_path(cfg.data))
+    if stored is not None:
+        src_len, tgt_len = length_arrays(stored[1])
+        micro, source = (
+            micro_tokens(src_len, tgt_len, max_tokens, cfg.train.seed),
+            "counted in the token store",
+        )
+    else:
+        micro, source = estimated_micro_tokens(max_tokens), "estimated: token store not prepared yet"
+    plan = resolve(cfg.train.batch_tokens, max_tokens, micro, dp, cfg.train.accumulate, source)
+    return "\n".join(f"# {line}" for line in (plan.line(), plan.warning()) if line)

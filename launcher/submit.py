@@ -25,6 +25,7 @@ from launcher.plan import (
     Layout,
     NodeEnv,
     Resources,
+    batch_line,
     override_keys,
     sweep_overrides,
 )
@@ -91,6 +92,7 @@ class Submission:
     log: str  # --output pattern (absolute)
     run_dirs: dict[str, Path] = field(default_factory=dict)  # label -> run directory
     node_commands: list[str] = field(default_factory=list)  # per node, for --dry-run
+    batch: str = ""  # what one step trains (``plan.batch_line``), for --dry-run
     tensorboard: Path | None = None
 
 
@@ -241,6 +243,7 @@ def build(args: SubmitArgs) -> Submission:
         )
         plan = LaunchPlan(args.preset, node_overrides, res, layout, node, bin_dir)
         sub.node_commands.append(shlex.join(plan.command()))
+    sub.batch = batch_line(args.preset, overrides, res.processes, layout)
     return sub
 
 
@@ -270,6 +273,8 @@ def dry_run_text(sub: Submission) -> str:
     """The script, then (as comments) what each node's ``tpe-launch run`` will exec."""
     lines = [sub.text.rstrip("\n"), "", "# --- tpe-launch submit --dry-run: not submitted."]
     lines.append(f"# log: {sub.log}")
+    if sub.batch:
+        lines.append(sub.batch)
     for label, path in sub.run_dirs.items():
         lines.append(f"# {label}: {path}")
     if sub.node_commands:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tpe_train.config import PRESET_DIR, ConfigError, load_config
+from tpe_train.parallel.batch import estimated_micro_tokens, resolve
 from tpe_train.positions import POSITIONS
 
 STUDY_PRESETS = [
@@ -39,9 +40,13 @@ def test_no_positions_in_encoder_or_decoder_only(preset: str) -> None:
     assert (args.encoder_position, args.decoder_position) == ("rope", "none")
 
 
-def _tokens_per_step(preset: str) -> int:
+def _tokens_per_step(preset: str) -> float:
+    """Source + target tokens of a step on the paper's 8 ranks (target tokens resolved as the trainer
+    does, with the launcher's estimate of a micro-batch; the source side about as many)."""
     cfg = load_config(preset)
-    return cfg.data.max_tokens * cfg.train.accumulate * PAPER_RANKS
+    assert cfg.train.batch_tokens == 25_000
+    micro = estimated_micro_tokens(cfg.data.max_tokens)
+    return 2 * resolve(cfg.train.batch_tokens, cfg.data.max_tokens, micro, PAPER_RANKS).global_tokens
 
 
 def test_wmt14_en_de_base_is_the_papers_base_model() -> None:
@@ -55,7 +60,7 @@ def test_wmt14_en_de_base_is_the_papers_base_model() -> None:
     assert (d.corpus, d.hub_id, d.hub_config) == ("hub", "wmt/wmt14", "de-en")
     assert (d.src_lang, d.tgt_lang) == ("en", "de")
     assert d.tokenizer == "bpe" and d.vocab_size == 37000
-    # about 25,000 source + 25,000 target tokens per step (max_tokens counts both sides)
+    # about 25,000 source + 25,000 target tokens per step (train.batch_tokens: the target side)
     assert 0.9 * 50_000 <= _tokens_per_step("wmt14_en_de_base") <= 1.1 * 50_000
     assert (e.beam, e.alpha, e.max_len_a, e.max_len_b) == (4, 0.6, 1.0, 50)
     # the final model is the mean of the last 5 checkpoints, which are kept

@@ -5,6 +5,7 @@
       tokenizer.json            the run's vocabulary (a resumed run must keep it)
       deepspeed.json            the generated DeepSpeed config (DeepSpeed runs)
       memory.json               every rank's start-up memory report
+      batch.json                the resolved batch; data.max_tokens=auto's probed micro-batch
       tb/                       TensorBoard events
       samples/rank-<r>.jsonl    the pair ids of every batch of data-parallel rank r (train.log_samples)
       checkpoints/              training checkpoints: step-<8 digits>/ and latest (ckpt.store)
@@ -52,6 +53,11 @@ class RunDir:
     @property
     def memory(self) -> Path:
         return self.path / "memory.json"
+
+    @property
+    def batch(self) -> Path:
+        """The resolved batch (micro-batch, accumulation, data.max_tokens=auto's probe)."""
+        return self.path / "batch.json"
 
     @property
     def tensorboard(self) -> Path:

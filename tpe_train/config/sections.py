@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 from tpe_train.model.args import ModelArgs
 from tpe_train.positions import POSITIONS, PositionArgs
@@ -232,13 +232,30 @@ class DataConfig(Section):
     """Joint subword model trained with `tokenizers` on both sides."""
     vocab_size: int = Field(8000, ge=16)
     """Joint vocabulary size (special tokens included)."""
-    max_tokens: int = Field(4096, ge=16)
-    """Batch size: maximum of padded source + target tokens per batch."""
+    max_tokens: int = Field(4096, ge=0)
+    """The micro-batch: at most this many padded source + target tokens per batch of one rank; auto (a
+    GPU only; written 0 inside): the largest multiple of 64 whose forward, backward and optimizer step on
+    the longest batches fits in train.memory_fraction of the device, probed before step 1 and recorded
+    in <run_dir>/batch.json for a resume."""
     max_len: int = Field(256, ge=4)
     """Training pairs with more tokens than this on either side are dropped."""
 
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _auto(cls, value: Any) -> Any:
+        return 0 if isinstance(value, str) and value.strip().lower() == "auto" else value
+
+    @field_serializer("max_tokens")
+    def _auto_out(self, value: int) -> int | str:
+        return "auto" if value == 0 else value
+
     @model_validator(mode="after")
     def _source(self) -> DataConfig:
+        if 0 < self.max_tokens < 16:
+            raise ValueError(
+                f"data.max_tokens={self.max_tokens} cannot hold a pair; use at least 16 padded tokens, "
+                "or auto on a GPU"
+            )
         if self.corpus in ("parquet", "disk", "text") and not self.path:
             raise ValueError(
                 f"data.corpus={self.corpus} reads a local directory, but data.path is empty; set "
@@ -262,7 +279,20 @@ class TrainConfig(Section):
     max_steps: int = Field(1000, ge=1)
     """Optimizer steps to train."""
     accumulate: int = Field(1, ge=1)
-    """Batches per optimizer step (gradient accumulation)."""
+    """Micro-batches per rank per optimizer step (gradient accumulation); derived, and left at 1 here,
+    when train.batch_tokens is set."""
+    batch_tokens: int = Field(0, ge=0)
+    """The global batch: target tokens per optimizer step over all ranks (the papers: 25,000). The
+    accumulation is then the smallest that reaches it: ceil(batch_tokens / (dp ranks x the mean target
+    tokens of a micro-batch)), see docs/distributed.md; 0: train.accumulate micro-batches per rank."""
+    memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
+    """data.max_tokens=auto: the share of the GPU's memory the probed training step may use at its peak."""
+    activation_checkpointing: Literal["none", "layers", "every_n"] = "none"
+    """Recompute activations in the backward instead of keeping them (torch.utils.checkpoint,
+    non-reentrant, the same dropout masks): none; layers: every encoder and decoder layer; every_n: every
+    train.checkpoint_every-th layer of each stack (the first, then every n-th)."""
+    checkpoint_every: int = Field(2, ge=1)
+    """train.activation_checkpointing=every_n: checkpoint layers 0, n, 2n, ... of each stack."""
     lr: float = Field(7e-4, gt=0.0)
     """Peak learning rate, reached at the end of warmup."""
     warmup_steps: int = Field(4000, ge=0)
@@ -329,6 +359,17 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _resume(self) -> TrainConfig:
+        if self.batch_tokens and self.accumulate > 1:
+            raise ValueError(
+                f"train.accumulate={self.accumulate} and train.batch_tokens={self.batch_tokens} are both "
+                "set: with batch_tokens the accumulation is derived from the number of ranks; drop "
+                "train.accumulate (or set train.batch_tokens=0 to choose it by hand)"
+            )
+        if self.compile and self.activation_checkpointing != "none":
+            raise ValueError(
+                "train.compile and train.activation_checkpointing are both set; the compiled layers are "
+                "not checkpointed: choose one (train.activation_checkpointing=none or train.compile=false)"
+            )
         value = self.resume.strip()
         keyword = value.lower()
         if not value or (keyword in RESUME_MODES and value != keyword) or keyword in ("strict", "fallback"):

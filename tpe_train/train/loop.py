@@ -26,6 +26,7 @@ from tpe_train.ckpt.store import CheckpointError, check_compatible, latest_compl
 from tpe_train.config import Config
 from tpe_train.data.corpus import Prepared, TrainBatches, prepare
 from tpe_train.evaluation.evaluate import EvalFiles, config_sets, evaluate, format_table
+from tpe_train.parallel.checkpointing import apply_activation_checkpointing
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layout
 from tpe_train.parallel.engine import Engine
@@ -33,7 +34,7 @@ from tpe_train.parallel.memory import memory_report
 from tpe_train.parallel.plan import shard_positions
 from tpe_train.run import lock as run_lock
 from tpe_train.run.exits import EXIT_PREEMPTED
-from tpe_train.train import selection
+from tpe_train.train import batch_size, selection
 from tpe_train.train.cadence import Cadence
 from tpe_train.train.scalars import log_line, write_scalars
 from tpe_train.train.step import inverse_sqrt, seed_everything, train_step, validate
@@ -72,6 +73,7 @@ def build_engine(cfg: Config, data: Prepared, ctx: ParallelContext, layout: Layo
     model = build_model(cfg, data.tokenizer)
     shard_positions(model, ctx)
     model.to(ctx.device).train()
+    apply_activation_checkpointing(model, cfg.train.activation_checkpointing, cfg.train.checkpoint_every)
     if cfg.train.compile:
         model.compile_layers()
     if ctx.dp_size > 1:
@@ -133,18 +135,26 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
         check_compatible(start, cfg)  # another model stops here, before any work
     signals = Signals()
     data = prepare_data(cfg, ctx)
+    asked = cfg  # what the run directory keeps; cfg: micro-batch and accumulation resolved for this launch
+    cfg, batch = batch_size.plan(asked, data, ctx, start_recorded=asked.train.resume != "never")
+    seed_everything(cfg.train.seed)  # as if nothing ran before: a probe draws from the generators
     engine = build_engine(cfg, data, ctx, layout)
     batches = TrainBatches(data, cfg.data, cfg.train.seed, ctx.dp_rank, ctx.dp_size)
     progress = Progress()
-    checkpointer = Checkpointer(run_dir.checkpoints, cfg, engine, data.tokenizer, batches, layout.zero_stage)
+    checkpointer = Checkpointer(
+        run_dir.checkpoints, asked, engine, data.tokenizer, batches, layout.zero_stage
+    )
     if start is not None:
         progress = checkpointer.restore(start)
     cast = cfg.train.bf16 and not engine.uses_deepspeed  # DeepSpeed holds bf16 weights itself
     reports = ctx.gather(memory_report(engine.module, engine.optimizer, ctx.rank, layout))
     samples = _sample_log(cfg, ctx)
     writer = SummaryWriter(str(run_dir.tensorboard)) if ctx.is_main else None
+    if writer is not None:
+        writer.add_text("batch", "\n\n".join(filter(None, (batch.line(), batch.warning()))), progress.step)
     if ctx.is_main:
-        run_dir.config.write_text(cfg.to_yaml())  # resolved config, before step 1
+        run_dir.config.write_text(asked.to_yaml())  # resolved config, before step 1
+        batch_size.record(run_dir, batch, auto=asked.data.max_tokens == 0)
         if engine.uses_deepspeed:
             run_dir.deepspeed_config.write_text(json.dumps(deepspeed_config(cfg, layout), indent=2))
         for line in data.splits.report:
@@ -158,6 +168,8 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
             f"({'built' if data.built else 'reused'}) | run dir {run_dir.path}"
         )
         print(f"tpe-train: {ctx.describe()} | ZeRO {layout.zero_stage} | {layout.source}")
+        for line in filter(None, (batch.line(), batch.warning())):
+            print(f"tpe-train: {line}")
         if start is not None:
             print(f"tpe-train: resumed from {start} at step {progress.step}")
         for r in reports:

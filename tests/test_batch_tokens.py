@@ -1,0 +1,118 @@
+"""train.batch_tokens: the global batch resolved for any number of ranks, the global stream order,
+data.max_tokens=auto's search, and tpe-launch --dry-run showing the same resolution."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from launcher.cli import main as launch
+from launcher.plan import Layout
+from tpe_train.ckpt.rundir import RunDir
+from tpe_train.config import ConfigError, load_config
+from tpe_train.data.batching import BatchIterator, BatchState
+from tpe_train.parallel.batch import GRAIN, largest_fitting, micro_tokens, resolve
+from tpe_train.parallel.context import ParallelContext
+from tpe_train.train.batch_size import probe_max_tokens, record, recorded_max_tokens
+
+
+def lengths(n: int = 600, seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    src = rng.integers(3, 40, n)
+    return src, np.maximum(2, src + rng.integers(-3, 4, n))
+
+
+def test_the_accumulation_is_the_smallest_that_reaches_the_global_batch() -> None:
+    for dp, acc in ((1, 8), (2, 4), (4, 2), (8, 1), (16, 1)):
+        plan = resolve(25_000, 7_000, 3_125.0, dp)
+        assert plan.accumulate == acc and plan.micro_per_step == max(8, dp)
+    assert resolve(25_000, 7_000, 3_125.0, 16).warning() is not None  # 50,000: +100%
+    assert resolve(25_000, 7_000, 3_125.0, 8).warning() is None
+    odd = resolve(10_000, 4_096, 3_000.0, 1)  # 4 x 3,000 = 12,000: +20%
+    assert odd.accumulate == 4 and "+20%" in (odd.warning() or "")
+    assert resolve(0, 4_096, 3_000.0, 2, accumulate=3).accumulate == 3  # 0: by hand, as before
+    src, tgt = lengths()
+    n = len(BatchIterator(src, tgt, 512, seed=1).batches)
+    assert micro_tokens(src, tgt, 512, seed=1) == pytest.approx(tgt.sum() / n)  # the epoch's exact mean
+
+
+def test_batch_tokens_with_a_hand_set_accumulation_is_an_error_and_auto_round_trips() -> None:
+    with pytest.raises(ConfigError, match=r"train.accumulate=4 and train.batch_tokens=25000"):
+        load_config("demo", ["train.batch_tokens=25000", "train.accumulate=4"])
+    cfg = load_config("demo", ["data.max_tokens=auto", "train.batch_tokens=2000"])
+    assert cfg.data.max_tokens == 0 and "max_tokens: auto" in cfg.to_yaml()
+    with pytest.raises(ConfigError, match=r"data.max_tokens=8"):
+        load_config("demo", ["data.max_tokens=8"])
+    for name in ("wmt14_en_de_base", "wmt14_en_de_big", "wmt14_en_fr_big"):
+        assert load_config(name).train.batch_tokens == 25_000
+
+
+def test_one_two_and_four_ranks_take_the_same_global_batches_step_by_step() -> None:
+    """With the product accumulate x dp fixed (8), every step of 1, 2 or 4 ranks holds the same 8
+    micro-batches of one global stream; resuming the position on another number of ranks continues it."""
+    src, tgt = lengths()
+    steps: dict[int, list[list[tuple[int, ...]]]] = {}
+    for dp in (1, 2, 4):
+        acc = resolve(8 * 100, 512, 100.0, dp).accumulate
+        its = [iter(BatchIterator(src, tgt, 512, seed=1, dp_rank=r, dp_size=dp)) for r in range(dp)]
+        steps[dp] = [
+            sorted(tuple(next(it).tolist()) for _ in range(acc) for it in its) for _ in range(20)
+        ]  # 20 steps: more than an epoch (the corpus makes about 50 batches)
+    assert steps[1] == steps[2] == steps[4]
+    first = BatchIterator(src, tgt, 512, seed=1, dp_rank=0, dp_size=2)
+    it = iter(first)
+    for _ in range(4 * 7):  # 7 steps of 2 ranks x 4
+        next(it)
+    state = BatchState(first.state.epoch, first.state.taken)
+    resumed = [
+        iter(BatchIterator(src, tgt, 512, seed=1, dp_rank=r, dp_size=4, state=state)) for r in range(4)
+    ]
+    assert sorted(tuple(next(i).tolist()) for _ in range(2) for i in resumed) == steps[1][7]
+
+
+def test_auto_finds_the_largest_multiple_of_64_that_fits() -> None:
+    for edge in (64, 100, 4096, 5000, 70_001, 1 << 20):
+        calls: list[int] = []
+
+        def fits(m: int, edge: int = edge, log: list[int] = calls) -> bool:
+            log.append(m)
+            return m <= edge
+
+        assert largest_fitting(fits) == edge // GRAIN * GRAIN
+        assert all(m % GRAIN == 0 for m in calls) and len(calls) < 30
+    with pytest.raises(ValueError, match="not even"):
+        largest_fitting(lambda m: False)
+
+
+def test_auto_on_a_cpu_is_an_error_and_a_probe_is_recorded_for_the_resume(tmp_path: Path) -> None:
+    cfg = load_config("demo", ["data.max_tokens=auto"])
+    with pytest.raises(ConfigError, match=r"data.max_tokens=auto probes a GPU"):
+        probe_max_tokens(cfg, None, ParallelContext.fake())  # type: ignore[arg-type]
+    run = RunDir(tmp_path)
+    assert recorded_max_tokens(run) is None
+    record(run, resolve(2000, 4032, 1000.0, 1), auto=True)
+    assert recorded_max_tokens(run) == 4032 and json.loads(run.batch.read_text())["accumulate"] == 2
+
+
+def test_dry_run_shows_the_resolution_and_finds_a_launch_files_deepspeed_json_from_anywhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    own = tmp_path / "launch"
+    own.mkdir()
+    (own / "ds.json").write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+    text = (Path(__file__).parents[1] / "configs/accelerate/gpu_zero2.yaml").read_text()
+    (own / "mine.yaml").write_text(text.replace("configs/deepspeed/zero2.json", "ds.json"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    assert Layout.load(str(own / "mine.yaml")).deepspeed_file == own / "ds.json"
+    assert Layout.load("gpu_zero2").deepspeed_file is not None  # the repository's own, from anywhere
+    for gpus, acc in ((1, 8), (8, 1)):
+        args = ["run", "--dry-run", "--preset", "wmt14_en_de_base", "--gpus-per-node", str(gpus)]
+        assert launch([*args, "--layout", str(own / "mine.yaml")]) == 0
+        out = capsys.readouterr().out
+        assert f"= {gpus} data-parallel x {acc} accumulated" in out, out
+        assert f"--deepspeed_config_file {own / 'ds.json'}" in out
