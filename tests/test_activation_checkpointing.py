@@ -3,6 +3,11 @@ activations a step keeps for its backward, measured with saved-tensor hooks at t
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -15,13 +20,15 @@ from tpe_train.model.transformer import Transformer
 from tpe_train.positions import PositionArgs
 
 
-def model(d: int = 512, heads: int = 8, layers: int = 6, vocab: int = 37_000) -> Transformer:
+def model(
+    d: int = 512, heads: int = 8, layers: int = 6, vocab: int = 37_000, kind: str = "sinusoidal"
+) -> Transformer:
     """Transformer base by default (d 512, 8 heads, FFN 4d, 6 + 6 layers, dropout 0.1, 37,000 tokens)."""
     torch.manual_seed(0)
     pos = PositionArgs(d_model=d, n_heads=heads, causal=False, max_positions=256)
     args = ModelArgs(
         vocab_size=vocab, d_model=d, n_heads=heads, ffn_dim=4 * d, encoder_layers=layers,
-        decoder_layers=layers, dropout=0.1, encoder_position="sinusoidal", decoder_position="sinusoidal",
+        decoder_layers=layers, dropout=0.1, encoder_position=kind, decoder_position=kind,
         position=pos,
     )  # fmt: skip
     return Transformer(args).train()
@@ -62,11 +69,14 @@ def gradients(net: Transformer, src: torch.Tensor, tgt: torch.Tensor) -> dict[st
     return {n: p.grad for n, p in net.named_parameters() if p.grad is not None}
 
 
-def test_checkpointed_layers_give_the_plain_gradients_bitwise_with_dropout() -> None:
+@pytest.mark.parametrize("kind", ["sinusoidal", "t5", "rope"])
+def test_checkpointed_layers_give_the_plain_gradients_bitwise_with_dropout(kind: str) -> None:
+    """Bitwise: the recomputation runs the same operations on the same values, dropout included.
+    T5 (as ALiBi): the first layer builds the dense mask the others reuse; RoPE: tables built once."""
     src, tgt = batch(100)
-    plain = gradients(model(64, 4, 3, 100), src, tgt)
+    plain = gradients(model(64, 4, 3, 100, kind), src, tgt)
     for mode, count in (("layers", 6), ("every_n", 4)):
-        net = model(64, 4, 3, 100)
+        net = model(64, 4, 3, 100, kind)
         assert len(ac.apply_activation_checkpointing(net, mode, every=2)) == count
         grads = gradients(net, src, tgt)
         assert grads.keys() == plain.keys()
@@ -99,3 +109,34 @@ def test_evaluation_and_decoding_run_the_layers_as_they_are() -> None:
     src, tgt = batch(100)
     with torch.no_grad():
         assert torch.equal(net(src, tgt), model(64, 4, 3, 100).eval()(src, tgt))
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("layout", ["zero", "tp"])
+def test_checkpointed_layers_under_zero_1_2_3_and_tensor_parallelism(layout: str, tmp_path: Path) -> None:
+    """2 ranks, T5 positions (the mask the first layer builds), every layer checkpointed: ZeRO 1, 2 and
+    3 in one launch (tests/support/dist_harness.py ``ac``), AutoTP 2 in another, each against one plain
+    process without checkpointing on the same global batch for 2 steps. Under DDP: the 2-rank run of
+    tests/test_batch_tokens.py."""
+    root = Path(__file__).resolve().parents[1]
+    if layout == "zero":
+        ds = tmp_path / "zero.json"
+        ds.write_text(json.dumps({"zero_optimization": {"stage": 2}}))
+        launch_file = tmp_path / "zero.yaml"
+        text = (root / "configs/accelerate/cpu_zero2.yaml").read_text()
+        launch_file.write_text(text.replace("configs/deepspeed/zero2.json", str(ds)))
+        stages = ["1", "2", "3"]
+    else:
+        launch_file, stages = root / "configs/accelerate/cpu_tp2.yaml", []
+    out = tmp_path / "out.json"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(launch_file),
+           str(root / "tests/support/dist_harness.py"), "ac", str(out), *stages]  # fmt: skip
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, cwd=root, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    result = json.loads(out.read_text())
+    assert (result["dp_size"], result["tp_size"]) == ((2, 1) if layout == "zero" else (1, 2))
+    for stage in stages or ["1"]:
+        for row in result[stage]:
+            assert row["loss"] == pytest.approx(row["ref_loss"], rel=1e-6), (stage, row)
+            assert row["param_diff"] < 1e-5, (stage, row)  # as tests/test_distributed.py

@@ -13,7 +13,7 @@ from launcher.cli import main as launch
 from launcher.plan import Layout
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.config import ConfigError, load_config
-from tpe_train.data.batching import BatchIterator, BatchState
+from tpe_train.data.batching import BatchIterator, BatchState, length_arrays
 from tpe_train.parallel.batch import GRAIN, largest_fitting, micro_tokens, resolve
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.train.batch_size import probe_max_tokens, record, recorded_max_tokens
@@ -116,3 +116,92 @@ def test_dry_run_shows_the_resolution_and_finds_a_launch_files_deepspeed_json_fr
         out = capsys.readouterr().out
         assert f"= {gpus} data-parallel x {acc} accumulated" in out, out
         assert f"--deepspeed_config_file {own / 'ds.json'}" in out
+
+
+def _run_args(run_dir: Path, extra: list[str]) -> list[str]:
+    return [
+        "model.d_model=32", "model.n_heads=4", "model.ffn_dim=64", "model.encoder_layers=2",
+        "model.decoder_layers=2", "model.dropout=0.0",  # dropout draws per rank: off, to compare losses
+        "data.synthetic.train_size=1500", "data.synthetic.valid_size=50", "data.synthetic.test_size=20",
+        "data.synthetic.probe_size=10", "data.synthetic.long_size=10", "data.max_tokens=256",
+        "train.max_steps=20", "train.log_every=1", "train.save_every=10", "train.valid_every=1000",
+        "train.valid_bleu_size=0", "train.progress=false", "train.log_samples=true", "train.threads=1",
+        "train.warmup_steps=10", "train.lr=3e-3", "eval.at_end=false", f"train.run_dir={run_dir}", *extra,
+    ]  # fmt: skip
+
+
+def _steps(run_dir: Path) -> dict[str, dict[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(run_dir / "tb"))
+    acc.Reload()
+    return {
+        t: {e.step: e.value for e in acc.Scalars(t)}
+        for t in ("train/loss", "train/lr", "train/target_tokens")
+    }
+
+
+def _pairs(run_dir: Path) -> dict[int, list[int]]:
+    """The pair ids each step trained on, over all data-parallel ranks (train.log_samples)."""
+    out: dict[int, list[int]] = {}
+    for path in sorted((run_dir / "samples").glob("rank-*.jsonl")):
+        for line in path.read_text().splitlines():
+            row = json.loads(line)
+            out.setdefault(row["step"], []).extend(row["ids"])
+    return {step: sorted(ids) for step, ids in out.items()}
+
+
+@pytest.mark.integration
+def test_one_two_and_four_ranks_train_the_same_trajectory_and_resume_across_sizes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same train.batch_tokens and seed: 1 process (here), 2 ranks under DDP with checkpointed
+    layers, and 4 ranks resumed from the 2-rank run's step 10 (as is 1 process) train the same target
+    tokens and pairs per step, and their losses agree within 2e-5 (relative; fp32 sums in another order:
+    ranks all-reduce their partial gradients, one process accumulates them)."""
+    import os
+    import subprocess
+    import sys
+
+    from tpe_train.data.corpus import prepare
+    from tpe_train.train.loop import run
+
+    root = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("TPE_DATA_CACHE", str(tmp_path / "data"))
+    cfg = load_config("demo", _run_args(tmp_path / "x", []))
+    data = prepare(cfg.data)
+    micro = micro_tokens(*length_arrays(data.train), 256, cfg.train.seed)
+    tokens = f"train.batch_tokens={int(8 * micro)}"  # 8 micro-batches a step: 8 x 1, 4 x 2, 2 x 4
+    one, two, four, back = (tmp_path / n for n in ("one", "two", "four", "back"))
+    run(load_config("demo", _run_args(one, [tokens])))
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
+    resume = f"train.resume={two / 'checkpoints' / 'step-00000010'}"
+    for run_dir, procs, extra in (
+        (two, 2, ["train.activation_checkpointing=layers"]),
+        (four, 4, [resume]),
+    ):
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+               str(root / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", str(procs),
+               "-m", "tpe_train.train", "--preset", "demo",
+               *_run_args(run_dir, [tokens, *extra])]  # fmt: skip
+        proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+        acc = 8 // procs
+        assert f"= {procs} data-parallel x {acc} accumulated" in proc.stdout
+    run(
+        load_config(
+            "demo", _run_args(back, [tokens, f"train.resume={two / 'checkpoints' / 'step-00000010'}"])
+        )
+    )
+    ref, ref_pairs = _steps(one), _pairs(one)
+    assert sorted(ref["train/loss"]) == list(range(1, 21))
+    for run_dir, first in ((two, 1), (four, 11), (back, 11)):
+        got, pairs = _steps(run_dir), _pairs(run_dir)
+        for step in range(first, 21):
+            assert got["train/target_tokens"][step] == ref["train/target_tokens"][step]
+            assert got["train/lr"][step] == ref["train/lr"][step]
+            assert pairs[step] == ref_pairs[step], (run_dir.name, step)
+            assert got["train/loss"][step] == pytest.approx(ref["train/loss"][step], rel=2e-5), (
+                run_dir,
+                step,
+            )

@@ -4,6 +4,7 @@
     accelerate launch --config_file X.yaml tests/support/dist_harness.py tp-flex OUT.json [kinds...]
     accelerate launch --config_file X.yaml tests/support/dist_harness.py \
         zero OUT.json STEPS [CPU_GEMM] [compile]
+    accelerate launch --config_file X.yaml tests/support/dist_harness.py ac OUT.json [STAGES...]
 
 ``tp``: for each encoding, one training step of the tensor-parallel engine the launch file describes,
 and the same step of one plain process on the same batch; records both losses and gradient norms
@@ -17,6 +18,9 @@ the reference is one plain process taking the whole global batch (as two accumul
 records losses, gradient norms and the largest parameter difference after every step; CPU_GEMM:
 ``train.cpu_gemm`` of both (default auto). With ``compile``, the ranks' layers are compiled
 (``train.compile``); the reference stays eager.
+``ac``: as ``zero`` (2 steps), with every encoder and decoder layer checkpointed
+(``train.activation_checkpointing=layers``) on the ranks and not in the reference; for each ZeRO
+stage in STAGES (the launch's DeepSpeed engine rebuilt with that stage), else the launch's own layout.
 Rank 0 writes the figures to OUT.json; the test asserts on them.
 """
 
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -32,6 +37,7 @@ from tpe_train.ckpt.holdings import full_weights
 from tpe_train.config import Config, load_config
 from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
 from tpe_train.model.kernels import set_cpu_gemm
+from tpe_train.parallel.checkpointing import apply_activation_checkpointing
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layout
 from tpe_train.parallel.engine import Engine
@@ -101,6 +107,7 @@ def engine_for(cfg: Config, ctx: ParallelContext, ds: dict[str, Any] | None) -> 
     model = model_for(cfg)
     shard_positions(model, ctx)
     model.train()
+    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)  # none: nothing
     if cfg.train.compile:
         model.compile_layers()
     # eps 1e-6, not the paper's 1e-9: some gradients are zero in exact arithmetic (key biases:
@@ -234,6 +241,30 @@ def zero_check(steps: int, cpu_gemm: str = "auto", compiled: bool = False) -> di
     }
 
 
+def ac_check(stages: list[int], steps: int = 2) -> dict[str, Any]:
+    cfg = config("t5", extra=("train.activation_checkpointing=layers",))
+    layout = resolve_layout(cfg)
+    ctx = ParallelContext.from_env(layout.tp_size, deepspeed=layout.deepspeed is not None)
+    cfg2 = config("t5", accumulate=ctx.dp_size)
+    out: dict[str, Any] = {"dp_size": ctx.dp_size, "tp_size": ctx.tp_size}
+    for stage in stages or [layout.zero_stage]:
+        lay = layout
+        if stages:
+            zero = {"stage": stage, "stage3_param_persistence_threshold": 0}
+            lay = replace(layout, deepspeed={**(layout.deepspeed or {}), "zero_optimization": zero})
+        sharded = engine_for(cfg, ctx, deepspeed_config(cfg, lay) if lay.deepspeed is not None else None)
+        plain = engine_for(cfg2, ParallelContext.fake(), None)
+        rows = []
+        for step in range(steps):
+            halves = [batch(100 * step + r, rows=3 + r) for r in range(ctx.dp_size)]
+            stats = train_step(sharded, [halves[ctx.dp_rank]], cfg, ctx, cast=False)
+            ref = train_step(plain, halves, cfg2, ParallelContext.fake(), cast=False)
+            diff = max_diff(full_weights(sharded), full_weights(plain))
+            rows.append({"loss": stats["loss"], "ref_loss": ref["loss"], "param_diff": diff})
+        out[str(stage)] = rows
+    return out
+
+
 def memory(engine: Engine, ctx: ParallelContext, layout: Layout | None) -> dict[str, Any]:
     """The start-up report and, after the steps, the optimizer state bytes really held."""
     report = memory_report(engine.module, engine.optimizer, ctx.rank, layout).as_dict()
@@ -251,6 +282,8 @@ def main() -> None:
         result = tp_check(sys.argv[3:])
     elif mode == "tp-flex":
         result = tp_flex_check(sys.argv[3:])
+    elif mode == "ac":
+        result = ac_check([int(a) for a in sys.argv[3:]])
     else:
         rest = sys.argv[4:]
         gemm = next((a for a in rest if a != "compile"), "auto")

@@ -43,12 +43,32 @@ def checkpointed_layers(model: nn.Module, mode: str, every: int = 2) -> list[str
     return names
 
 
+def _state(values: list[Any]) -> list[tuple[Any, dict[str, Any]]]:
+    """The attributes of the plain objects among a call's arguments (not tensors, not modules)."""
+    return [
+        (v, dict(vars(v)))
+        for v in values
+        if hasattr(v, "__dict__") and not isinstance(v, torch.Tensor | nn.Module)
+    ]
+
+
 def _checkpointed(forward: Callable[..., Any], module: nn.Module) -> Callable[..., Any]:
     def run(*args: Any, **kwargs: Any) -> Any:
         cache = args[6] if len(args) > 6 else kwargs.get("cache")
         if not (module.training and torch.is_grad_enabled()) or cache is not None:
             return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
+        # The recomputation must see its arguments as the forward saw them: a stack's first layer
+        # builds a mask that the others reuse (attention's dense mask of T5 and ALiBi, kept on the
+        # ``Mask``); recomputed later, it would find it built and save fewer tensors.
+        state = _state([*args, *kwargs.values()])
+
+        def again(*a: Any, **kw: Any) -> Any:
+            for obj, attrs in state:
+                obj.__dict__.clear()
+                obj.__dict__.update(attrs)
+            return forward(*a, **kw)
+
+        return checkpoint(again, *args, use_reentrant=False, preserve_rng_state=True, **kwargs)
 
     return run
 

@@ -198,6 +198,7 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
                 "train/nll": stats["nll"],
                 "train/lr": engine.lr(),
                 "train/grad_norm": stats["grad_norm"],
+                "train/target_tokens": stats["tokens"],  # of the step, all ranks: train.batch_tokens reached
                 **meter.read(),
             }
             write_scalars(writer, scalars, step)
