@@ -20,6 +20,16 @@ from tpe_train.model.transformer import Transformer
 from tpe_train.positions import PositionArgs
 
 
+@pytest.fixture(autouse=True)
+def one_thread() -> Any:
+    """One intra-op thread: these small products gain nothing from two, and lose 100x when the suite's
+    other processes hold the cores (OpenMP threads wait for each other)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def model(
     d: int = 512, heads: int = 8, layers: int = 6, vocab: int = 37_000, kind: str = "sinusoidal"
 ) -> Transformer:

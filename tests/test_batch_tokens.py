@@ -16,7 +16,7 @@ from tpe_train.config import ConfigError, load_config
 from tpe_train.data.batching import BatchIterator, BatchState, length_arrays
 from tpe_train.parallel.batch import GRAIN, largest_fitting, micro_tokens, resolve
 from tpe_train.parallel.context import ParallelContext
-from tpe_train.train.batch_size import probe_max_tokens, record, recorded_max_tokens
+from tpe_train.train.batch_size import auto_note, probe_max_tokens, record, recorded_max_tokens
 
 
 def lengths(n: int = 600, seed: int = 3) -> tuple[np.ndarray, np.ndarray]:
@@ -93,8 +93,10 @@ def test_auto_on_a_cpu_is_an_error_and_a_probe_is_recorded_for_the_resume(tmp_pa
         probe_max_tokens(cfg, None, ParallelContext.fake())  # type: ignore[arg-type]
     run = RunDir(tmp_path)
     assert recorded_max_tokens(run) is None
-    record(run, resolve(2000, 4032, 1000.0, 1), auto=True)
+    plan = resolve(2000, 4032, 1000.0, 1)
+    record(run, plan, auto=True)
     assert recorded_max_tokens(run) == 4032 and json.loads(run.batch.read_text())["accumulate"] == 2
+    assert "auto: 4,032 padded tokens" in (auto_note(cfg, plan) or "")
 
 
 def test_dry_run_shows_the_resolution_and_finds_a_launch_files_deepspeed_json_from_anywhere(
@@ -201,7 +203,7 @@ def test_one_two_and_four_ranks_train_the_same_trajectory_and_resume_across_size
             assert got["train/target_tokens"][step] == ref["train/target_tokens"][step]
             assert got["train/lr"][step] == ref["train/lr"][step]
             assert pairs[step] == ref_pairs[step], (run_dir.name, step)
-            assert got["train/loss"][step] == pytest.approx(ref["train/loss"][step], rel=2e-5), (
-                run_dir,
-                step,
-            )
+        loss, want = got["train/loss"], ref["train/loss"]
+        worst = max(abs(loss[s] / want[s] - 1) for s in range(first, 21))
+        print(f"{run_dir.name}: steps {first}-20, largest relative loss difference {worst:.1e}")
+        assert worst <= 2e-5, (run_dir.name, loss, want)

@@ -101,3 +101,13 @@ def record(run_dir: RunDir, batch: BatchPlan, auto: bool) -> None:
     the probed micro-batch that a resume reuses."""
     probed = batch.max_tokens if auto else None
     run_dir.batch.write_text(json.dumps({**batch.as_dict(), "probed_max_tokens": probed}, indent=2))
+
+
+def auto_note(asked: Config, batch: BatchPlan) -> str | None:
+    """The start-up line of ``data.max_tokens=auto`` (None when a number was given)."""
+    if asked.data.max_tokens:
+        return None
+    return (
+        f"data.max_tokens=auto: {batch.max_tokens:,} padded tokens fit train.memory_fraction="
+        f"{asked.train.memory_fraction} of the GPU (in batch.json; a resume reuses it)"
+    )

@@ -168,7 +168,7 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
             f"({'built' if data.built else 'reused'}) | run dir {run_dir.path}"
         )
         print(f"tpe-train: {ctx.describe()} | ZeRO {layout.zero_stage} | {layout.source}")
-        for line in filter(None, (batch.line(), batch.warning())):
+        for line in filter(None, (batch_size.auto_note(asked, batch), batch.line(), batch.warning())):
             print(f"tpe-train: {line}")
         if start is not None:
             print(f"tpe-train: resumed from {start} at step {progress.step}")
