@@ -20,6 +20,9 @@ Backends (``model.attention``; ``choose_backend`` resolves ``auto`` per call):
   and the one path for encodings that need the weights themselves (Shaw's relative values), whatever
   backend was asked for.
 - ``auto``: see ``choose_backend``.
+
+``gpu_route()`` makes the CPU take the GPU's calls (``F.scaled_dot_product_attention``), so that CPU
+tests see what a GPU kernel receives (tests/test_gpu_path.py).
 """
 
 from __future__ import annotations
@@ -53,18 +56,20 @@ def choose_backend(
 
     An encoding that needs the weights (``needs_weights``: Shaw's relative values) always takes
     ``explicit``. Otherwise an explicit request is kept. ``auto`` takes, on a GPU, ``flex`` for an
-    encoding with a logit term (T5, ALiBi, Shaw's keys: their term as a lookup inside the fused
-    kernel instead of a dense mask) unless attention dropout is on (flex has none), and ``sdpa``'s
-    fused kernels for the others (RoPE, sinusoidal, learned, none); on the CPU ``sdpa`` for training,
-    evaluation and decoding alike (FlexAttention cannot train there, and for beam search its
-    compiled kernel measured slower than SDPA: benchmarks/bench_attention.py, README).
+    encoding whose term flex computes from the indices alone (``pos.flex_preferred``: ALiBi, a slope
+    times a distance, where sdpa needs a dense (H, Lq, Lk) mask) unless attention dropout is on (flex
+    has none), and ``sdpa`` for the others: T5 through flex measured 117 ms a step against 53 ms for
+    sdpa's dense-mask path on the H200 (docs/results/gpu/h200-2026-12-04), Shaw's lookup failed to
+    compile there, and RoPE, sinusoidal, learned and none take sdpa's fused kernels. On the CPU
+    ``sdpa`` for training, evaluation and decoding alike (FlexAttention cannot train there, and for
+    beam search its compiled kernel measured slower than SDPA: benchmarks/bench_attention.py, README).
     ``training``: gradients are being recorded.
     """
     if pos.needs_weights:
         return "explicit"
     if requested != "auto":
         return requested
-    if device.type == "cuda" and pos.has_bias and not (training and dropout > 0):
+    if device.type == "cuda" and pos.flex_preferred and not (training and dropout > 0):
         return "flex"
     return "sdpa"
 
@@ -441,14 +446,16 @@ def _written_out(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float,
 
 def _weights(q: Tensor, k: Tensor, mask: Tensor | None, p: float, is_causal: bool) -> Tensor:
     """The attention weights (B, H, Lq, Lk) in q's dtype: scaled scores, the mask (boolean: keep;
-    float: added), the softmax in fp32, then the attention dropout of ``dropout`` (p is 0 in eval)."""
+    float: added), the softmax in fp32 (fp64 for fp64), then the attention dropout of ``dropout``
+    (p is 0 in eval)."""
     scores = torch.matmul(q, k.transpose(-1, -2)).mul_(q.shape[-1] ** -0.5)
     if is_causal:
         future = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).triu_(1)
         scores = scores.masked_fill(future, float("-inf"))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
-    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+    wide = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp64: an exact reference
+    weights = torch.softmax(scores, dim=-1, dtype=wide).to(q.dtype)
     return dropout(weights, p, p > 0)
 
 

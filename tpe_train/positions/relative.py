@@ -58,11 +58,26 @@ class ShawPosition(PositionEncoding):
         return torch.gather(scores, -1, idx)
 
     def score_mod(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> ScoreMod | None:
-        scores, clip = self.relative_logits(q), self.args.shaw_clip  # (B, H, Lq, 2k+1)
+        """A lookup of q . a_d in the (B, H, Lq, 2k+1) relative logits, read through a flat view.
+
+        Written for Inductor with dynamic shapes: the logits are captured as one flat buffer, the
+        start of each (b, h, q) row comes from a captured (B, H, Lq) tensor, and the clip is a 0-d
+        tensor, so the kernel indexes no multi-dimensional buffer with symbolic sizes and closes over
+        no Python int. The direct form (``scores[b, h, q_idx, clamp(d, -k, k) + k]``) failed to
+        lower on the H200 with torch 2.11 (``'ShapeAsConstantBuffer' object has no attribute
+        'dtype'``) and on the CPU with torch 2.13 (``'Mul' object has no attribute 'get_name'``); an
+        index table ``scores[b, h, q_idx, idx[q_idx, kv_idx]]`` compiled on the CPU but gave wrong
+        outputs at a second length. tests/test_gpu_path.py compiles this one on the CPU."""
+        scores = self.relative_logits(q)  # (B, H, Lq, 2k+1)
+        width = scores.shape[-1]
+        rows = scores.shape[:-1]
+        flat = scores.reshape(-1)
+        start = torch.arange(rows.numel(), device=q.device).view(rows) * width
+        clip = torch.full((), self.args.shaw_clip, dtype=q_pos.dtype, device=q.device)
 
         def mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
-            d = (k_pos[kv_idx] - q_pos[q_idx]).clamp(-clip, clip) + clip
-            return score + scores[b, h, q_idx, d].to(score.dtype)
+            d = torch.minimum(torch.maximum(k_pos[kv_idx] - q_pos[q_idx], -clip), clip) + clip
+            return score + flat[start[b, h, q_idx] + d]
 
         return mod
 
@@ -152,6 +167,7 @@ class AlibiPosition(PositionEncoding):
 
     has_bias = True
     shared_bias = True
+    flex_preferred = True
     tp_split = "heads"
     slopes: Tensor
 
