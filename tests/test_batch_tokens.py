@@ -118,6 +118,12 @@ def test_dry_run_shows_the_resolution_and_finds_a_launch_files_deepspeed_json_fr
         out = capsys.readouterr().out
         assert f"= {gpus} data-parallel x {acc} accumulated" in out, out
         assert f"--deepspeed_config_file {own / 'ds.json'}" in out
+    args = ["submit", "--dry-run", "--preset", "wmt14_en_de_base", "--nodes", "4", "--gpus-per-node", "8"]
+    assert launch([*args, "--", "data.max_tokens=1750"]) == 0
+    out = capsys.readouterr().out
+    assert "# batch: 25,200 target tokens per step (25,000 asked) = 32 data-parallel x 1 accumulated" in out
+    assert launch(args) == 0
+    assert "+303% off train.batch_tokens=25,000" in capsys.readouterr().out  # the preset's micro-batch
 
 
 def _run_args(run_dir: Path, extra: list[str]) -> list[str]:
@@ -157,10 +163,12 @@ def _pairs(run_dir: Path) -> dict[int, list[int]]:
 def test_one_two_and_four_ranks_train_the_same_trajectory_and_resume_across_sizes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """The same train.batch_tokens and seed: 1 process (here), 2 ranks under DDP with checkpointed
-    layers, and 4 ranks resumed from the 2-rank run's step 10 (as is 1 process) train the same target
-    tokens and pairs per step, and their losses agree within 2e-5 (relative; fp32 sums in another order:
-    ranks all-reduce their partial gradients, one process accumulates them)."""
+    """The same train.batch_tokens and seed: 1 process (here), 2 ranks (ZeRO-2, checkpointed layers,
+    launched by tpe-launch from another directory), and 4 ranks (DDP, every other layer checkpointed)
+    resumed from the 2-rank run's step
+    10 (as is 1 process) train the same target tokens and pairs per step, and their losses agree within
+    2e-5 (relative; fp32 sums in another order: ranks all-reduce their partial gradients, one process
+    accumulates them)."""
     import os
     import subprocess
     import sys
@@ -178,23 +186,23 @@ def test_one_two_and_four_ranks_train_the_same_trajectory_and_resume_across_size
     run(load_config("demo", _run_args(one, [tokens])))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     resume = f"train.resume={two / 'checkpoints' / 'step-00000010'}"
-    for run_dir, procs, extra in (
-        (two, 2, ["train.activation_checkpointing=layers"]),
-        (four, 4, [resume]),
-    ):
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
-               str(root / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", str(procs),
-               "-m", "tpe_train.train", "--preset", "demo",
-               *_run_args(run_dir, [tokens, *extra])]  # fmt: skip
+    # 2 ranks: ZeRO-2 with checkpointed layers, through tpe-launch from another directory (the launch
+    # file names its DeepSpeed JSON relative to the repository); 4 ranks: DDP, resumed from its step 10
+    every_n = "train.activation_checkpointing=every_n"
+    zero2 = ["run", "--layout", "cpu_zero2", "--procs-per-node", "2", "--preset", "demo", "--"]
+    ddp = ["--config_file", str(root / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", "4"]
+    launches = (
+        (2, [sys.executable, "-m", "launcher.cli", *zero2,
+             *_run_args(two, [tokens, "train.activation_checkpointing=layers"])]),
+        (4, [sys.executable, "-m", "accelerate.commands.launch", *ddp, "-m", "tpe_train.train",
+             "--preset", "demo", *_run_args(four, [tokens, resume, every_n])]),
+    )  # fmt: skip
+    for procs, cmd in launches:
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
-        acc = 8 // procs
-        assert f"= {procs} data-parallel x {acc} accumulated" in proc.stdout
-    run(
-        load_config(
-            "demo", _run_args(back, [tokens, f"train.resume={two / 'checkpoints' / 'step-00000010'}"])
-        )
-    )
+        assert f"= {procs} data-parallel x {8 // procs} accumulated" in proc.stdout
+    assert json.loads((two / "deepspeed.json").read_text())["zero_optimization"]["stage"] == 2
+    run(load_config("demo", _run_args(back, [tokens, resume])))
     ref, ref_pairs = _steps(one), _pairs(one)
     assert sorted(ref["train/loss"]) == list(range(1, 21))
     for run_dir, first in ((two, 1), (four, 11), (back, 11)):
