@@ -46,6 +46,8 @@ def test_batch_tokens_with_a_hand_set_accumulation_is_an_error_and_auto_round_tr
     assert cfg.data.max_tokens == 0 and "max_tokens: auto" in cfg.to_yaml()
     with pytest.raises(ConfigError, match=r"data.max_tokens=8"):
         load_config("demo", ["data.max_tokens=8"])
+    with pytest.raises(ConfigError, match=r"auto probes the longest pairs of a prepared corpus"):
+        load_config("demo", ["data.max_tokens=auto", "data.streaming=true"])
     for name in ("wmt14_en_de_base", "wmt14_en_de_big", "wmt14_en_fr_big"):
         assert load_config(name).train.batch_tokens == 25_000
 

@@ -256,6 +256,11 @@ class DataConfig(Section):
                 f"data.max_tokens={self.max_tokens} cannot hold a pair; use at least 16 padded tokens, "
                 "or auto on a GPU"
             )
+        if self.max_tokens == 0 and self.streaming:
+            raise ValueError(
+                "data.max_tokens=auto probes the longest pairs of a prepared corpus, but data.streaming "
+                "reads the corpus as it trains; set data.max_tokens to a number of padded tokens"
+            )
         if self.corpus in ("parquet", "disk", "text") and not self.path:
             raise ValueError(
                 f"data.corpus={self.corpus} reads a local directory, but data.path is empty; set "
