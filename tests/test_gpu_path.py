@@ -181,7 +181,6 @@ def test_the_budget_names_every_encoding() -> None:
     assert sorted(BUDGET) == sorted(KINDS)
 
 
-@pytest.mark.slow
 def test_extra_ops_per_layer_of_every_encoding_stay_within_budget() -> None:
     """Per layer: (ops with 2 + 2 layers) - (ops with 1 + 1 layers), minus the same for ``none``; per
     model: the rest. A term rebuilt in every layer (a table, a cast, a Python loop over heads) shows
