@@ -115,7 +115,8 @@ def test_score_mods_equal_the_dense_bias(kind: str) -> None:
     torch.testing.assert_close(derived, dense, atol=1e-6, rtol=1e-6)
 
 
-def test_auto_never_takes_flex_for_a_cpu_training_step() -> None:
+def test_auto_takes_sdpa_on_every_device_and_explicit_where_the_weights_are_needed() -> None:
+    """flex measured slower than sdpa for every encoding on an H200 (docs/results/gpu/h200-2026-12-04-b)."""
     t5 = build_position("t5", PositionArgs(d_model=32, n_heads=4, causal=False))
     rope = build_position("rope", PositionArgs(d_model=32, n_heads=4, causal=False))
     shaw_v = build_position("shaw", PositionArgs(d_model=32, n_heads=4, causal=False, shaw_values=True))
@@ -123,9 +124,10 @@ def test_auto_never_takes_flex_for_a_cpu_training_step() -> None:
     assert choose_backend("auto", t5, cpu, True, 0.0) == "sdpa"
     assert choose_backend("auto", t5, cpu, False, 0.0) == "sdpa"
     alibi = build_position("alibi", PositionArgs(d_model=32, n_heads=4, causal=False))
-    assert choose_backend("auto", t5, gpu, True, 0.0) == "sdpa"  # flex measured slower for T5
-    assert choose_backend("auto", alibi, gpu, True, 0.0) == "flex"
-    assert choose_backend("auto", alibi, gpu, True, 0.1) == "sdpa"  # flex has no attention dropout
+    assert choose_backend("auto", t5, gpu, True, 0.0) == "sdpa"
+    assert choose_backend("auto", alibi, gpu, True, 0.0) == "sdpa"
+    assert choose_backend("auto", alibi, gpu, False, 0.0) == "sdpa"
+    assert choose_backend("flex", alibi, gpu, True, 0.0) == "flex"  # asked for: kept
     assert choose_backend("auto", rope, gpu, True, 0.0) == "sdpa"
     assert choose_backend("flex", shaw_v, gpu, True, 0.0) == "explicit"  # needs the weights
     assert choose_backend("explicit", rope, gpu, True, 0.0) == "explicit"

@@ -55,22 +55,17 @@ def choose_backend(
     """The backend one attention call takes.
 
     An encoding that needs the weights (``needs_weights``: Shaw's relative values) always takes
-    ``explicit``. Otherwise an explicit request is kept. ``auto`` takes, on a GPU, ``flex`` for an
-    encoding whose term flex computes from the indices alone (``pos.flex_preferred``: ALiBi, a slope
-    times a distance, where sdpa needs a dense (H, Lq, Lk) mask) unless attention dropout is on (flex
-    has none), and ``sdpa`` for the others: T5 through flex measured 117 ms a step against 53 ms for
-    sdpa's dense-mask path on the H200 (docs/results/gpu/h200-2026-12-04), Shaw's lookup failed to
-    compile there, and RoPE, sinusoidal, learned and none take sdpa's fused kernels. On the CPU
-    ``sdpa`` for training, evaluation and decoding alike (FlexAttention cannot train there, and for
-    beam search its compiled kernel measured slower than SDPA: benchmarks/bench_attention.py, README).
+    ``explicit``. Otherwise an explicit request is kept, and ``auto`` takes ``sdpa`` on every device:
+    on an H200 (bf16, the wmt14_en_de_big shape, docs/results/gpu/h200-2026-12-04-b) flex's training
+    step took 65-102 ms against sdpa's 39-60 ms for every encoding, ALiBi included (93 against 49 ms),
+    whose dense sdpa mask is now built once per stack in the compute dtype. On the CPU FlexAttention
+    cannot train, and for beam search its compiled kernel measured slower than SDPA.
     ``training``: gradients are being recorded.
     """
     if pos.needs_weights:
         return "explicit"
     if requested != "auto":
         return requested
-    if device.type == "cuda" and pos.flex_preferred and not (training and dropout > 0):
-        return "flex"
     return "sdpa"
 
 

@@ -60,9 +60,6 @@ class PositionEncoding(nn.Module):
 
     #: one instance per layer (Shaw) rather than one shared by all layers of a stack
     per_layer: ClassVar[bool] = False
-    #: ``model.attention=auto`` takes flex on a GPU (the term is cheap to compute inside the fused
-    #: kernel from the indices alone, and a dense mask would cost more): see ``choose_backend``
-    flex_preferred: ClassVar[bool] = False
     #: attention must compute its weights explicitly and call ``value_term``
     needs_weights: bool = False
     #: whether ``attn_bias`` can return a tensor (lets attention keep the fused causal path otherwise)

@@ -167,7 +167,6 @@ class AlibiPosition(PositionEncoding):
 
     has_bias = True
     shared_bias = True
-    flex_preferred = True
     tp_split = "heads"
     slopes: Tensor
 
