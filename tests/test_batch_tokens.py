@@ -166,11 +166,11 @@ def test_one_two_and_four_ranks_train_the_same_trajectory_and_resume_across_size
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same train.batch_tokens and seed: 1 process (here), 2 ranks (ZeRO-2, checkpointed layers,
-    launched by tpe-launch from another directory), and 4 ranks (DDP, every other layer checkpointed)
-    resumed from the 2-rank run's step
-    10 (as is 1 process) train the same target tokens and pairs per step, and their losses agree within
-    2e-5 (relative; fp32 sums in another order: ranks all-reduce their partial gradients, one process
-    accumulates them)."""
+    launched by tpe-launch from another directory) and 4 ranks (DDP), each from scratch for 20 steps,
+    and 4 ranks (DDP, every other layer checkpointed) and 1 process resumed from the 2-rank run's step
+    10, train the same target tokens and pairs per step, and their losses agree within 2e-5 (relative;
+    fp32 sums in another order: ranks all-reduce their partial gradients, one process accumulates
+    them). Dropout is off: it draws one stream per rank."""
     import os
     import subprocess
     import sys
@@ -184,7 +184,7 @@ def test_one_two_and_four_ranks_train_the_same_trajectory_and_resume_across_size
     data = prepare(cfg.data)
     micro = micro_tokens(*length_arrays(data.train), 256, cfg.train.seed)
     tokens = f"train.batch_tokens={int(8 * micro)}"  # 8 micro-batches a step: 8 x 1, 4 x 2, 2 x 4
-    one, two, four, back = (tmp_path / n for n in ("one", "two", "four", "back"))
+    one, two, four, back, fresh4 = (tmp_path / n for n in ("one", "two", "four", "back", "fresh4"))
     run(load_config("demo", _run_args(one, [tokens])))
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
     resume = f"train.resume={two / 'checkpoints' / 'step-00000010'}"
@@ -198,6 +198,8 @@ def test_one_two_and_four_ranks_train_the_same_trajectory_and_resume_across_size
              *_run_args(two, [tokens, "train.activation_checkpointing=layers"])]),
         (4, [sys.executable, "-m", "accelerate.commands.launch", *ddp, "-m", "tpe_train.train",
              "--preset", "demo", *_run_args(four, [tokens, resume, every_n])]),
+        (4, [sys.executable, "-m", "accelerate.commands.launch", *ddp, "-m", "tpe_train.train",
+             "--preset", "demo", *_run_args(fresh4, [tokens])]),
     )  # fmt: skip
     for procs, cmd in launches:
         proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -207,7 +209,7 @@ def test_one_two_and_four_ranks_train_the_same_trajectory_and_resume_across_size
     run(load_config("demo", _run_args(back, [tokens, resume])))
     ref, ref_pairs = _steps(one), _pairs(one)
     assert sorted(ref["train/loss"]) == list(range(1, 21))
-    for run_dir, first in ((two, 1), (four, 11), (back, 11)):
+    for run_dir, first in ((two, 1), (fresh4, 1), (four, 11), (back, 11)):
         got, pairs = _steps(run_dir), _pairs(run_dir)
         for step in range(first, 21):
             assert got["train/target_tokens"][step] == ref["train/target_tokens"][step]
