@@ -18,7 +18,7 @@ from sacrebleu.significance import PairedTest
 from tpe_train.ckpt.export import build_model, load_export, save_export
 from tpe_train.evaluation.cli import eval_main, translate_main
 from tpe_train.evaluation.decoding import read_lines, token_batches
-from tpe_train.evaluation.evaluate import EvalFiles, config_sets
+from tpe_train.evaluation.evaluate import EvalFiles, TestSet, concatenated, config_sets
 from tpe_train.evaluation.metrics import paired_bootstrap
 
 # The demo preset at a small size, learned positions of 48 rows (so a long line is too long for it).
@@ -239,6 +239,15 @@ def test_splits_and_files_score_as_the_sacrebleu_command(
     assert limited["test[:40]"]["bleu"] == pytest.approx(
         _sacrebleu(some.references("test[:40]"), some.hypotheses("test[:40]")), abs=1e-5
     )
+    # --concat: every set also as segments of 2 consecutive pairs, scored as those joined files
+    argv = ["--checkpoint", ckpt, "--split", "validation", "--concat", "2", "--json", "--beam", "1"]
+    assert eval_main([*argv, "--out", str(tmp_path / "concat")]) == 0
+    joined = json.loads(capsys.readouterr().out)["sets"]
+    assert list(joined) == ["validation", "validation+x2"] and joined["validation+x2"]["test_sentences"] == 10
+    refs = read_lines(EvalFiles(tmp_path / "concat").references("validation"))
+    assert read_lines(EvalFiles(tmp_path / "concat").references("validation+x2"))[1] == f"{refs[2]} {refs[3]}"
+    assert eval_main(["--checkpoint", ckpt, "--concat", "1"]) == 2
+    assert "concatenate at least 2" in capsys.readouterr().err
     assert eval_main(["--checkpoint", ckpt, "--limit", "0"]) == 2
     assert "--limit must be at least 1" in capsys.readouterr().err
     # a missing split is one message
@@ -296,3 +305,16 @@ def test_paired_bootstrap_is_sacrebleus_except_for_equal_scores() -> None:
     assert sacrebleu_p(zero_a, zero_b) == pytest.approx(1 / 1001)
     tie = paired_bootstrap(zero_a, zero_b, refs).metrics["bleu"]
     assert tie.delta == 0 and tie.p_value == 1.0
+
+
+def test_concatenated_sets_join_consecutive_pairs_in_order_without_overlap() -> None:
+    test = TestSet("t", [(f"s{i}", f"r{i}") for i in range(7)], probe=[("a", "b")], pretokenized=True)
+    three = concatenated(test, 3)
+    assert three.name == "t+x3" and three.pretokenized and three.probe == []
+    assert three.pairs == [("s0 s1 s2", "r0 r1 r2"), ("s3 s4 s5", "r3 r4 r5")]  # s6 alone: left out
+    assert concatenated(test, 7).pairs == [
+        (" ".join(f"s{i}" for i in range(7)), " ".join(f"r{i}" for i in range(7)))
+    ]
+    assert concatenated(test, 8).pairs == []
+    with pytest.raises(ValueError, match="at least 2"):
+        concatenated(test, 1)

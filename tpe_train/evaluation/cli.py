@@ -26,6 +26,7 @@ from tpe_train.evaluation.evaluate import (
     EvalFiles,
     TestSet,
     compare,
+    concatenated,
     config_sets,
     corpus_sets,
     evaluate,
@@ -71,9 +72,23 @@ def eval_args(argv: list[str] | None) -> argparse.Namespace:
         "a CPU; not comparable with a full set's figures)",
     )
     parser.add_argument(
+        "--concat",
+        default="",
+        metavar="N[,N...]",
+        help="also score every set as segments of N consecutive sentences (sources and references joined; "
+        "named SET+xN): long inputs from real text, at N times the set's lengths",
+    )
+    parser.add_argument(
         "--device", default="auto", help="auto (the GPU if torch sees one, else the CPU), cpu, cuda or cuda:N"
     )
     return parser.parse_args(argv)
+
+
+def _concat_sizes(text: str) -> list[int]:
+    try:
+        return [int(n) for n in text.split(",") if n.strip()]
+    except ValueError:
+        raise ValueError(f"--concat {text!r}: give whole numbers, e.g. --concat 2,3") from None
 
 
 def _sets(args: argparse.Namespace, cfg: DataConfig) -> list[TestSet]:
@@ -84,6 +99,7 @@ def _sets(args: argparse.Namespace, cfg: DataConfig) -> list[TestSet]:
     sets = corpus_sets(cfg, [n.strip() for n in args.split.split(",") if n.strip()]) if args.split else []
     sets += [file_set(src, ref) for src, ref in zip(args.src, args.ref, strict=True)]
     sets = sets or config_sets(cfg)
+    sets += [concatenated(test, n) for n in _concat_sizes(args.concat) for test in list(sets)]
     if args.limit is not None:
         for test in sets:
             if len(test.pairs) > args.limit:

@@ -89,6 +89,18 @@ def file_set(src: str | Path, ref: str | Path) -> TestSet:
     return TestSet(Path(src).name, list(zip(sources, refs, strict=True)))
 
 
+def concatenated(test: TestSet, n: int) -> TestSet:
+    """``test`` as segments of ``n`` consecutive pairs, in order and without overlap: the sources
+    joined by a space, the references the same way (real text at n times the lengths; the name says
+    ``+xN``). A last group of fewer than ``n`` pairs is left out, so every segment holds ``n``. The
+    synthetic corpus's long sentences and word-order probe do not carry over."""
+    if n < 2:
+        raise ValueError(f"--concat {n}: concatenate at least 2 sentences (1 is the set itself)")
+    groups = [test.pairs[i : i + n] for i in range(0, len(test.pairs) - n + 1, n)]
+    pairs = [(" ".join(s for s, _ in g), " ".join(r for _, r in g)) for g in groups]
+    return TestSet(f"{test.name}+x{n}", pairs, pretokenized=test.pretokenized)
+
+
 # --------------------------------------------------------------------------------------------------
 # Scoring
 
