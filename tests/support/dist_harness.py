@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import sys
+from collections.abc import Iterator
 from dataclasses import replace
 from typing import Any
 
@@ -207,6 +208,18 @@ def tp_flex_check(kinds: list[str]) -> dict[str, Any]:
     return out
 
 
+def lockstep(
+    sharded: Engine, plain: Engine, cfg: Config, cfg2: Config, ctx: ParallelContext, steps: int
+) -> Iterator[tuple[dict[str, float], dict[str, float], float]]:
+    """Each step: this rank's share of the global batch through the sharded engine, the whole batch
+    through one plain process; yields both steps' figures and the largest parameter difference."""
+    for step in range(steps):
+        halves = [batch(100 * step + r, rows=3 + r) for r in range(ctx.dp_size)]
+        stats = train_step(sharded, [halves[ctx.dp_rank]], cfg, ctx, cast=False)
+        ref = train_step(plain, halves, cfg2, ParallelContext.fake(), cast=False)
+        yield stats, ref, max_diff(full_weights(sharded), full_weights(plain))
+
+
 def zero_check(steps: int, cpu_gemm: str = "auto", compiled: bool = False) -> dict[str, Any]:
     cfg = config("t5", cpu_gemm=cpu_gemm, extra=("train.compile=true",) if compiled else ())
     layout = resolve_layout(cfg)
@@ -216,22 +229,19 @@ def zero_check(steps: int, cpu_gemm: str = "auto", compiled: bool = False) -> di
     cfg2 = config("t5", accumulate=ctx.dp_size, cpu_gemm=cpu_gemm)
     plain = engine_for(cfg2, ParallelContext.fake(), None)
     rows = []
-    for step in range(steps):
-        halves = [batch(100 * step + r, rows=3 + r) for r in range(ctx.dp_size)]
-        stats = train_step(sharded, [halves[ctx.dp_rank]], cfg, ctx, cast=False)
-        ref = train_step(plain, halves, cfg2, ParallelContext.fake(), cast=False)
+    for stats, ref, diff in lockstep(sharded, plain, cfg, cfg2, ctx, steps):
         rows.append(
             {
                 "loss": stats["loss"],
                 "ref_loss": ref["loss"],
                 "grad_norm": stats["grad_norm"],
                 "ref_grad_norm": ref["grad_norm"],
-                "param_diff": max_diff(full_weights(sharded), full_weights(plain)),
+                "param_diff": diff,
                 "moved": max_diff(full_weights(plain), model_state(cfg)),
             }
         )
     return {
-        "onednn_nodes": onednn_nodes(sharded, halves[ctx.dp_rank]),
+        "onednn_nodes": onednn_nodes(sharded, batch(100 * (steps - 1) + ctx.dp_rank, rows=3 + ctx.dp_rank)),
         "dp_size": ctx.dp_size,
         "compiled": compiled,
         "zero_stage": layout.zero_stage,
@@ -254,13 +264,10 @@ def ac_check(stages: list[int], steps: int = 2) -> dict[str, Any]:
             lay = replace(layout, deepspeed={**(layout.deepspeed or {}), "zero_optimization": zero})
         sharded = engine_for(cfg, ctx, deepspeed_config(cfg, lay) if lay.deepspeed is not None else None)
         plain = engine_for(cfg2, ParallelContext.fake(), None)
-        rows = []
-        for step in range(steps):
-            halves = [batch(100 * step + r, rows=3 + r) for r in range(ctx.dp_size)]
-            stats = train_step(sharded, [halves[ctx.dp_rank]], cfg, ctx, cast=False)
-            ref = train_step(plain, halves, cfg2, ParallelContext.fake(), cast=False)
-            diff = max_diff(full_weights(sharded), full_weights(plain))
-            rows.append({"loss": stats["loss"], "ref_loss": ref["loss"], "param_diff": diff})
+        rows = [
+            {"loss": stats["loss"], "ref_loss": ref["loss"], "param_diff": diff}
+            for stats, ref, diff in lockstep(sharded, plain, cfg, cfg2, ctx, steps)
+        ]
         out[str(stage)] = rows
     return out
 
