@@ -34,6 +34,7 @@ from tpe_train.evaluation.evaluate import (
     format_comparison,
     format_evaluation,
 )
+from tpe_train.evaluation.position_settings import apply_position_settings
 from tpe_train.evaluation.translate import translate_stream
 
 # --------------------------------------------------------------------------------------------------
@@ -81,6 +82,15 @@ def eval_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--device", default="auto", help="auto (the GPU if torch sees one, else the CPU), cpu, cuda or cuda:N"
     )
+    parser.add_argument(
+        "--position",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="test-time position setting, repeatable (docs/evaluation.md): rope.scaling=pi|ntk|yarn, "
+        "rope.factor=F, alibi.slope_scale=C, t5.max_distance=M, learned.extend=interpolate, "
+        "learned.factor=F, side=encoder|decoder|cross|both",
+    )
     return parser.parse_args(argv)
 
 
@@ -127,6 +137,7 @@ def eval_main(argv: list[str] | None = None) -> int:
             raise ValueError("--limit must be at least 1 (sentences of each set)")
         device = device_from_arg(args.device)
         model, cfg, tok = load_export(args.checkpoint)
+        apply_position_settings(model, args.position, cfg.data.max_len + 1)
         other = load_export(args.compare) if args.compare else None
         sets = _sets(args, cfg.data)  # every file is read before any decoding
     except (FileNotFoundError, ValueError, ConfigError) as err:  # CorpusError, InputError included
@@ -189,6 +200,15 @@ def translate_args(argv: list[str] | None) -> argparse.Namespace:
         "--device", default="auto", help="auto (the GPU if torch sees one, else the CPU), cpu, cuda or cuda:N"
     )
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: train.threads)")
+    p.add_argument(
+        "--position",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="test-time position setting, repeatable (docs/evaluation.md): rope.scaling=pi|ntk|yarn, "
+        "rope.factor=F, alibi.slope_scale=C, t5.max_distance=M, learned.extend=interpolate, "
+        "learned.factor=F, side=encoder|decoder|cross|both",
+    )
     return p.parse_args(argv)
 
 
@@ -252,6 +272,7 @@ def translate_main(argv: list[str] | None = None) -> int:
         if args.output != "-" and not Path(args.output).resolve().parent.is_dir():
             raise InputError(f"-o {args.output}: its directory does not exist")
         model, cfg, tok = load_export(args.checkpoint)
+        apply_position_settings(model, args.position, cfg.data.max_len + 1)
         options = decode_options(args, DecodeOptions.of(cfg.eval))
     except (FileNotFoundError, ValueError, ConfigError) as err:  # InputError included
         print(f"tpe-translate: {err}", file=sys.stderr)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor, nn
 
@@ -40,15 +42,45 @@ class LearnedPosition(PositionEncoding):
     Longer inputs are refused by the model from their shape (``max_length``), before any lookup."""
 
     tp_split = "positions"
+    settings: ClassVar[dict[str, str]] = {
+        "extend": "refuse (default: positions past the table are an error) or interpolate",
+        "factor": "interpolate: the table stretched to factor x its rows (row i: old position i / factor)",
+    }
+    extended: Tensor | None
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__(args)
         self.table = nn.Embedding(args.max_positions, args.d_model)
         nn.init.normal_(self.table.weight, std=args.d_model**-0.5)
+        self.register_buffer("extended", None, persistent=False)
+
+    def adapt(self, **settings: str) -> None:
+        """``extend=interpolate factor=F``: a table of round(F * rows) rows, row i linearly interpolated
+        at old position i / F (the last row past the end); ``extend=refuse`` or F = 1 keeps the table."""
+        super().adapt(**settings)
+        extend = settings.get("extend", "refuse")
+        if extend not in ("refuse", "interpolate"):
+            raise ValueError(f"learned.extend={extend!r}: choose refuse or interpolate")
+        factor = self.setting(settings, "factor", float, 1.0)
+        if factor < 1.0 or (extend == "refuse" and factor != 1.0):
+            raise ValueError(f"learned.factor={factor}: give at least 1, with learned.extend=interpolate")
+        if extend == "refuse" or factor == 1.0:
+            self.extended = None
+            return
+        with torch.no_grad():
+            w = self.table.weight.detach()
+            rows = w.shape[0]
+            x = torch.arange(round(rows * factor), dtype=torch.float64, device=w.device) / factor
+            lo = x.floor().long().clamp(max=rows - 1)
+            hi = (lo + 1).clamp(max=rows - 1)
+            frac = (x - lo).clamp(max=1.0).to(w.dtype)[:, None]
+            self.extended = (1 - frac) * w[lo] + frac * w[hi]
 
     @property
     def max_length(self) -> int | None:
-        return self.args.max_positions
+        return self.args.max_positions if self.extended is None else self.extended.shape[0]
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        if self.extended is not None:
+            return x + self.extended[pos].to(x.dtype)
         return x + self.table(pos).to(x.dtype)

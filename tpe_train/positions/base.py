@@ -145,6 +145,34 @@ class PositionEncoding(nn.Module):
         only record the list."""
         self.heads = list(heads)
 
+    #: test-time settings ``adapt`` accepts, each with its meaning (empty: none)
+    settings: ClassVar[dict[str, str]] = {}
+
+    def adapt(self, **settings: str) -> None:
+        """Change this encoding of a trained model at test time, without new parameters in its state
+        dict (length extrapolation: RoPE scaling, ALiBi slope scale, T5 buckets, learned interpolation).
+        Values are given as text and read by the encoding; an unknown name raises a ValueError naming
+        the valid ones. The identity setting (factor 1) leaves outputs bitwise unchanged."""
+        unknown = sorted(set(settings) - set(self.settings))
+        if unknown:
+            valid = ", ".join(sorted(self.settings)) or "none"
+            raise ValueError(
+                f"{type(self).__name__} has no test-time setting {', '.join(unknown)} (valid: {valid})"
+            )
+        self.__dict__.pop("_memo", None)  # terms built before the change are stale
+
+    @staticmethod
+    def setting(settings: dict[str, str], name: str, cast: Callable[[str], T], default: T) -> T:
+        """``settings[name]`` read by ``cast`` (``default`` when absent); ValueError names a bad one."""
+        if name not in settings:
+            return default
+        try:
+            return cast(settings[name])
+        except ValueError:
+            raise ValueError(
+                f"position setting {name}={settings[name]!r}: not a valid {cast.__name__}"
+            ) from None
+
     def value_term(self, weights: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor:
         """weights: (B, H, Lq, Lk) attention probabilities -> (B, H, Lq, hd) added to the output."""
         raise NotImplementedError

@@ -9,6 +9,7 @@ key index), so the fused kernel never sees a dense (B, H, Lq, Lk) bias.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 from torch import Tensor, nn
@@ -89,13 +90,18 @@ class ShawPosition(PositionEncoding):
         return torch.matmul(per_distance, self.values.to(weights.dtype))  # (B, H, Lq, hd)
 
 
-def t5_bucket(relative: Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> Tensor:
+def t5_bucket(
+    relative: Tensor, bidirectional: bool, num_buckets: int, max_distance: int, extra: int = 0
+) -> Tensor:
     """T5's bucket of each relative position (key minus query): exact for small distances,
-    logarithmic up to ``max_distance``; bidirectional splits the buckets between the two signs."""
+    logarithmic up to ``max_distance``; bidirectional splits the buckets between the two signs.
+
+    ``extra`` (test time) adds that many log buckets per sign past ``max_distance`` at the same spacing
+    (buckets per unit of log distance): distances below ``max_distance`` keep their bucket exactly."""
     bucket = torch.zeros_like(relative)
     if bidirectional:
         num_buckets //= 2
-        bucket = bucket + (relative > 0).long() * num_buckets
+        bucket = bucket + (relative > 0).long() * (num_buckets + extra)
         distance = relative.abs()
     else:
         distance = (-relative).clamp(min=0)  # the future gets bucket 0 (it is masked anyway)
@@ -103,7 +109,7 @@ def t5_bucket(relative: Tensor, bidirectional: bool, num_buckets: int, max_dista
     is_small = distance < max_exact
     log_ratio = torch.log(distance.float().clamp(min=1) / max_exact) / math.log(max_distance / max_exact)
     large = max_exact + (log_ratio * (num_buckets - max_exact)).long()
-    large = large.clamp(max=num_buckets - 1)
+    large = large.clamp(max=num_buckets + extra - 1)
     return bucket + torch.where(is_small, distance, large)
 
 
@@ -116,10 +122,58 @@ class T5Position(PositionEncoding):
     shared_bias = True
     tp_split = "heads"
 
+    settings: ClassVar[dict[str, str]] = {
+        "max_distance": "a larger T5 max_distance: log buckets added past the trained one, same spacing",
+        "fill": "the added buckets' biases: linear (extrapolated from the last two trained) or last",
+    }
+    extension: Tensor | None
+
     def __init__(self, args: PositionArgs) -> None:
         super().__init__(args)
         self.table = nn.Embedding(args.t5_buckets, args.n_heads)  # column h: head self.heads[h]
         nn.init.normal_(self.table.weight, std=0.1)
+        self.extra = 0  # log buckets per sign added at test time (``adapt``)
+        self.register_buffer("extension", None, persistent=False)
+
+    def adapt(self, **settings: str) -> None:
+        """``max_distance=M``: distances below the trained max_distance keep their bucket and bias;
+        buckets continue at the trained log spacing up to M (one more per sign past it: the catch-all),
+        with biases extrapolated linearly in the bucket index from the last two trained buckets of each
+        sign (``fill=linear``) or copied from the last (``fill=last``: outputs unchanged)."""
+        super().adapt(**settings)
+        a = self.args
+        limit = self.setting(settings, "max_distance", int, a.t5_max_distance)
+        fill = settings.get("fill", "linear")
+        if fill not in ("linear", "last"):
+            raise ValueError(f"t5.fill={fill!r}: choose linear or last")
+        if limit < a.t5_max_distance:
+            raise ValueError(f"t5.max_distance={limit}: give at least the trained {a.t5_max_distance}")
+        half = a.t5_buckets if a.causal else a.t5_buckets // 2
+        exact = half // 2
+        per_log = (half - exact) / math.log(a.t5_max_distance / exact)
+        self.extra = math.ceil(per_log * math.log(limit / exact) - 1e-9) - (half - exact)
+        if not self.extra:
+            self.extension = None
+            return
+        with torch.no_grad():
+            w = self.table.weight.detach()
+            step = w[half - 1] - w[half - 2] if fill == "linear" else torch.zeros_like(w[0])
+            k = torch.arange(1, self.extra + 1, dtype=w.dtype, device=w.device)[:, None]
+            parts = [w[half - 1] + k * step]  # (extra, h) after the first sign's buckets
+            if not a.causal:
+                parts.append(w[-1] + k * (w[-1] - w[-2] if fill == "linear" else torch.zeros_like(w[0])))
+            self.extension = torch.cat(parts)
+
+    def weights(self) -> Tensor:
+        """The (buckets, h) biases, with the test-time buckets (``adapt``) after each sign's."""
+        w = self.table.weight
+        if self.extension is None:
+            return w
+        ext = self.extension.to(w.dtype)
+        if self.args.causal:
+            return torch.cat((w, ext))
+        half = w.shape[0] // 2
+        return torch.cat((w[:half], ext[: self.extra], w[half:], ext[self.extra :]))
 
     def keep_heads(self, heads: list[int]) -> None:
         columns = [self.heads.index(h) for h in heads]
@@ -131,14 +185,14 @@ class T5Position(PositionEncoding):
     def bucket(self, relative: Tensor) -> Tensor:
         """The bucket of each relative position (key minus query), any shape."""
         a = self.args
-        return t5_bucket(relative, not a.causal, a.t5_buckets, a.t5_max_distance)
+        return t5_bucket(relative, not a.causal, a.t5_buckets, a.t5_max_distance, self.extra)
 
     def attn_bias(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
         buckets = self.bucket(relative_distance(q_pos, k_pos))  # (Lq, Lk)
-        return self.table.weight[buckets].permute(2, 0, 1).unsqueeze(0).to(q.dtype)  # (1, h, Lq, Lk)
+        return self.weights()[buckets].permute(2, 0, 1).unsqueeze(0).to(q.dtype)  # (1, h, Lq, Lk)
 
     def score_mod(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> ScoreMod | None:
-        table = self.table.weight  # (buckets, h): column h is global head self.heads[h]
+        table = self.weights()  # (buckets, h): column h is global head self.heads[h]
 
         def mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             return score + table[self.bucket(k_pos[kv_idx] - q_pos[q_idx]), h].to(score.dtype)
@@ -170,13 +224,29 @@ class AlibiPosition(PositionEncoding):
     tp_split = "heads"
     slopes: Tensor
 
+    settings: ClassVar[dict[str, str]] = {
+        "slope_scale": "multiply every head's slope (below 1: a gentler penalty at long range)"
+    }
+
     def __init__(self, args: PositionArgs) -> None:
         super().__init__(args)
+        self.slope_scale = 1.0
         self.register_buffer("slopes", self._slopes(self.heads), persistent=False)
+
+    def adapt(self, **settings: str) -> None:
+        """``slope_scale=c``: slopes c * m_h (1: the trained slopes, bitwise)."""
+        super().adapt(**settings)
+        scale = self.setting(settings, "slope_scale", float, 1.0)
+        if not scale > 0:
+            raise ValueError(f"alibi.slope_scale={scale}: give a positive scale")
+        self.slope_scale = scale
+        self.slopes = self._slopes(self.heads).to(self.slopes.device)
 
     def _slopes(self, heads: list[int]) -> Tensor:
         """Slopes of the global heads ``heads`` only (a TP rank never builds the others)."""
         every = alibi_slopes(self.args.n_heads)
+        if self.slope_scale != 1.0:
+            every = [m * self.slope_scale for m in every]
         return torch.tensor([every[h] for h in heads], dtype=torch.float32)
 
     def keep_heads(self, heads: list[int]) -> None:
