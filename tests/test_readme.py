@@ -44,6 +44,8 @@ README = ROOT / "README.md"
 RESULTS = ROOT / "docs" / "results"
 #: The pages these tests read: the README, the top of docs/ and the results index.
 PAGES = [README, *sorted((ROOT / "docs").glob("*.md")), RESULTS / "README.md"]
+#: the study archives' pages, linked from the README as its results (prose, not raw output)
+STUDY_PAGES = sorted(RESULTS.glob("multi30k*/README.md"))
 
 
 def test_readme_position_example_registers_and_decodes_incrementally() -> None:
@@ -164,12 +166,13 @@ LABELS = re.compile(r"\bsessions?\b|\bsprints?\b|\bissues?\s*#?\s*\d+|\bitems?\s
 
 
 def test_no_work_period_labels_or_issue_references() -> None:
-    """In the text and in code blocks; a word in backticks is a mention (as in docs/testing.md)."""
+    """In the text, in code blocks and in backticks alike, of every page and every study's page."""
+    assert STUDY_PAGES
     found = [
         f"{where(page, number)}: {m.group(0)!r}"
-        for page in PAGES
+        for page in [*PAGES, *STUDY_PAGES]
         for number, line in enumerate(page.read_text().splitlines(), start=1)
-        for m in LABELS.finditer(re.sub(r"`[^`]*`", "", line))
+        for m in LABELS.finditer(line)
     ]
     assert not found, "label figures by date, revision and machine instead:\n" + "\n".join(found)
 
