@@ -37,6 +37,23 @@ from tpe_train.evaluation.evaluate import (
 from tpe_train.evaluation.position_settings import apply_position_settings
 from tpe_train.evaluation.translate import translate_stream
 
+
+def add_model_options(parser: argparse.ArgumentParser) -> None:
+    """What both commands take about the model they load: its device and test-time position settings."""
+    parser.add_argument(
+        "--device", default="auto", help="auto (the GPU if torch sees one, else the CPU), cpu, cuda or cuda:N"
+    )
+    parser.add_argument(
+        "--position",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="test-time position setting, repeatable (docs/evaluation.md): rope.scaling=pi|ntk|yarn, "
+        "rope.factor=F, alibi.slope_scale=C, t5.max_distance=M, learned.extend=interpolate, "
+        "learned.factor=F, side=encoder|decoder|cross|both",
+    )
+
+
 # --------------------------------------------------------------------------------------------------
 # tpe-eval
 
@@ -79,18 +96,7 @@ def eval_args(argv: list[str] | None) -> argparse.Namespace:
         help="also score every set as segments of N consecutive sentences (sources and references joined; "
         "named SET+xN): long inputs from real text, at N times the set's lengths",
     )
-    parser.add_argument(
-        "--device", default="auto", help="auto (the GPU if torch sees one, else the CPU), cpu, cuda or cuda:N"
-    )
-    parser.add_argument(
-        "--position",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="test-time position setting, repeatable (docs/evaluation.md): rope.scaling=pi|ntk|yarn, "
-        "rope.factor=F, alibi.slope_scale=C, t5.max_distance=M, learned.extend=interpolate, "
-        "learned.factor=F, side=encoder|decoder|cross|both",
-    )
+    add_model_options(parser)
     return parser.parse_args(argv)
 
 
@@ -196,19 +202,8 @@ def translate_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="progress bar on stderr (default: when reading a file and stderr is a terminal)",
     )
-    p.add_argument(
-        "--device", default="auto", help="auto (the GPU if torch sees one, else the CPU), cpu, cuda or cuda:N"
-    )
     p.add_argument("--threads", type=int, default=None, help="CPU threads (default: train.threads)")
-    p.add_argument(
-        "--position",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="test-time position setting, repeatable (docs/evaluation.md): rope.scaling=pi|ntk|yarn, "
-        "rope.factor=F, alibi.slope_scale=C, t5.max_distance=M, learned.extend=interpolate, "
-        "learned.factor=F, side=encoder|decoder|cross|both",
-    )
+    add_model_options(p)
     return p.parse_args(argv)
 
 
