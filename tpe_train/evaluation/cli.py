@@ -22,6 +22,7 @@ from tpe_train.config import ConfigError, DataConfig
 from tpe_train.evaluation import evaluate as evaluate_module
 from tpe_train.evaluation import translate as translate_module
 from tpe_train.evaluation.decoding import DecodeOptions, InputError, device_from_arg, utf8_lines
+from tpe_train.evaluation.ensemble import load_models
 from tpe_train.evaluation.evaluate import (
     EvalFiles,
     TestSet,
@@ -34,7 +35,6 @@ from tpe_train.evaluation.evaluate import (
     format_comparison,
     format_evaluation,
 )
-from tpe_train.evaluation.position_settings import apply_position_settings
 from tpe_train.evaluation.translate import translate_stream
 
 
@@ -65,7 +65,12 @@ def eval_args(argv: list[str] | None) -> argparse.Namespace:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--checkpoint", required=True, help="an export (<run_dir>/checkpoint, tpe-ckpt average)"
+        "--checkpoint",
+        required=True,
+        nargs="+",
+        action="extend",
+        help="an export (<run_dir>/checkpoint, tpe-ckpt average); several (of one vocabulary): decode "
+        "with their ensemble (docs/evaluation.md)",
     )
     parser.add_argument(
         "--split", default=None, help="comma-separated splits of the model's corpus, each scored on its own"
@@ -142,8 +147,8 @@ def eval_main(argv: list[str] | None = None) -> int:
         if args.limit is not None and args.limit < 1:
             raise ValueError("--limit must be at least 1 (sentences of each set)")
         device = device_from_arg(args.device)
-        model, cfg, tok = load_export(args.checkpoint)
-        apply_position_settings(model, args.position, cfg.data.max_len + 1)
+        loaded = load_models(args.checkpoint, args.position)
+        model, cfg, tok = loaded.model, loaded.cfg, loaded.tok
         other = load_export(args.compare) if args.compare else None
         sets = _sets(args, cfg.data)  # every file is read before any decoding
     except (FileNotFoundError, ValueError, ConfigError) as err:  # CorpusError, InputError included
@@ -155,20 +160,23 @@ def eval_main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(cfg.train.threads)
     lang = cfg.data.tgt_lang
     result = evaluate(model.to(device), tok, sets, cfg.eval, lang)
+    ensemble = {"ensemble": loaded.describe()} if loaded.is_ensemble else {}
     if args.out:
-        EvalFiles(args.out).write(result)
+        EvalFiles(args.out).write(result, {**result.figures(), **ensemble})
     if other is None:
-        print(json.dumps(result.figures()) if args.json else format_evaluation(result))
+        table = "\n".join(filter(None, [loaded.banner(), format_evaluation(result)]))
+        print(json.dumps({**result.figures(), **ensemble}) if args.json else table)
         return 0
     b_model, _, b_tok = other
     baseline = evaluate(b_model.to(device), b_tok, sets, cfg.eval, lang)  # decoded as the system
     tests = compare(result, baseline, args.samples)
+    system = " + ".join(loaded.checkpoints)  # one path, or an ensemble's
     if args.json:
-        print(json.dumps({"system": args.checkpoint, "baseline": args.compare, "sets": {
+        print(json.dumps({"system": system, **ensemble, "baseline": args.compare, "sets": {
             s.name: {"system": s.figures, "baseline": b.figures, "paired": tests[s.name].as_dict()}
             for s, b in zip(result.sets, baseline.sets, strict=True)}}))  # fmt: skip
     else:
-        print(format_comparison(tests, args.checkpoint, args.compare))
+        print(format_comparison(tests, system, args.compare))
     return 0
 
 
@@ -182,7 +190,14 @@ def translate_args(argv: list[str] | None) -> argparse.Namespace:
         description=translate_module.__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--checkpoint", required=True, help="an export (<run_dir>/checkpoint, tpe-ckpt average)")
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        nargs="+",
+        action="extend",
+        help="an export (<run_dir>/checkpoint, tpe-ckpt average); several (of one vocabulary): translate "
+        "with their ensemble (docs/evaluation.md)",
+    )
     p.add_argument("-i", "--input", default="-", help="a UTF-8 text file, one sentence a line; - for stdin")
     p.add_argument("-o", "--output", default="-", help="where the translations go; - for stdout")
     p.add_argument("--beam", type=int, default=None, help="beam size (default: eval.beam; 1: greedy)")
@@ -258,16 +273,14 @@ def _output(path: str) -> Iterator[IO[str]]:
 
 def translate_main(argv: list[str] | None = None) -> int:
     """Entry point of ``tpe-translate``."""
-    from tpe_train.ckpt.export import load_export
-
     args = translate_args(argv)
     try:
         device = device_from_arg(args.device)
         total = _count_lines(args.input) if args.input != "-" else None
         if args.output != "-" and not Path(args.output).resolve().parent.is_dir():
             raise InputError(f"-o {args.output}: its directory does not exist")
-        model, cfg, tok = load_export(args.checkpoint)
-        apply_position_settings(model, args.position, cfg.data.max_len + 1)
+        loaded = load_models(args.checkpoint, args.position)
+        model, cfg, tok = loaded.model, loaded.cfg, loaded.tok
         options = decode_options(args, DecodeOptions.of(cfg.eval))
     except (FileNotFoundError, ValueError, ConfigError) as err:  # InputError included
         print(f"tpe-translate: {err}", file=sys.stderr)
@@ -276,6 +289,8 @@ def translate_main(argv: list[str] | None = None) -> int:
     if threads:
         torch.set_num_threads(threads)
     model.to(device)
+    if loaded.is_ensemble:
+        print(f"tpe-translate: {loaded.banner()}", file=sys.stderr)
     show = args.progress if args.progress is not None else (total is not None and sys.stderr.isatty())
     try:
         with contextlib.ExitStack() as stack:

@@ -20,6 +20,7 @@ from tokenizers import Tokenizer
 
 from tpe_train.data.batching import EOS_ID, pad
 from tpe_train.data.tokenizer import decode, encode
+from tpe_train.model.ensemble import Ensemble
 from tpe_train.model.generate import beam_search_nbest, greedy
 from tpe_train.model.kernels import packed_inference
 from tpe_train.model.transformer import Transformer
@@ -133,7 +134,7 @@ def token_batches(lengths: list[int], max_tokens: int, batch_size: int) -> list[
 
 
 def decode_sentences(
-    model: Transformer,
+    model: Transformer | Ensemble,
     tok: Tokenizer,
     sources: list[str],
     options: DecodeOptions,
@@ -172,7 +173,11 @@ def decode_sentences(
 
 
 def _decode_batch(
-    model: Transformer, tok: Tokenizer, src: torch.Tensor, results: list[Translation], options: DecodeOptions
+    model: Transformer | Ensemble,
+    tok: Tokenizer,
+    src: torch.Tensor,
+    results: list[Translation],
+    options: DecodeOptions,
 ) -> None:
     """Fill ``results`` (one per row of ``src``) with the best hypothesis (and the n best)."""
     o = options

@@ -12,6 +12,7 @@ significance tests pair runs without decoding again.
     tpe-eval --checkpoint DIR --split test_2016_flickr,test_2017_flickr --json
     tpe-eval --checkpoint DIR --src newstest2014.en --ref newstest2014.de
     tpe-eval --checkpoint A --compare B                        # paired bootstrap, BLEU and chrF
+    tpe-eval --checkpoint A B --compare A                      # the ensemble of A and B against A
     tpe-eval --checkpoint DIR --limit 100                      # a quick look: the first 100 pairs
 """
 
@@ -39,6 +40,7 @@ from tpe_train.evaluation.decoding import (
     decode_sentences,
     read_lines,
 )
+from tpe_train.model.ensemble import Ensemble
 from tpe_train.model.transformer import Transformer
 
 
@@ -128,7 +130,11 @@ class Evaluation:
 
 
 def evaluate(
-    model: Transformer, tok: Tokenizer, sets: list[TestSet], ecfg: EvalConfig, lang: str | None = None
+    model: Transformer | Ensemble,
+    tok: Tokenizer,
+    sets: list[TestSet],
+    ecfg: EvalConfig,
+    lang: str | None = None,
 ) -> Evaluation:
     """Decode (``ecfg``'s beam, lengths and batches) and score every set. With ``lang`` (the target
     language) and real text, also the papers' tokenized BLEU and the lowercased Multi30k BLEU."""
@@ -137,7 +143,7 @@ def evaluate(
 
 
 def _score_set(
-    model: Transformer,
+    model: Transformer | Ensemble,
     tok: Tokenizer,
     test: TestSet,
     options: DecodeOptions,

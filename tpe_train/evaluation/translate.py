@@ -4,6 +4,7 @@
     echo "the small cat helps a river ." | tpe-translate --checkpoint DIR
     tpe-translate --checkpoint DIR -i test.en --nbest 4          # LINE<TAB>SCORE<TAB>TEXT, best first
     tpe-translate --checkpoint DIR -i test.en --beam 1           # greedy
+    tpe-translate --checkpoint A B -i test.en                    # the ensemble of two checkpoints
 
 Sentences are sorted by length and decoded in batches of at most ``--max-tokens`` padded source tokens
 (``--buffer-lines`` lines are read, sorted and translated at a time), then written in input order,
@@ -13,6 +14,10 @@ An empty line gives an empty line. A sentence longer than the encoder's position
 encoder represents with ``--truncate``. Bytes that are not UTF-8 stop the command with the line named
 (for a file, before anything is translated); a file named by ``-o`` is written only when every line is
 translated. Throughput is printed on stderr at the end. Exit status: 0 done, 2 bad input.
+
+Several checkpoints of one vocabulary decode as an ensemble: at every step of the beam (or greedy)
+search the log of the mean of their next-token probabilities; each keeps its own encoder output and
+decoder cache, ``--position`` settings apply to each, and the decoding defaults are the first one's.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from tpe_train.evaluation.decoding import (
     Translation,
     decode_sentences,
 )
+from tpe_train.model.ensemble import Ensemble
 from tpe_train.model.transformer import Transformer
 
 
@@ -75,7 +81,7 @@ def format_translation(number: int, result: Translation, nbest: int) -> str:
 
 
 def translate_stream(
-    model: Transformer,
+    model: Transformer | Ensemble,
     tok: Tokenizer,
     lines: Iterator[str],
     out: IO[str],
