@@ -138,11 +138,6 @@ class Ensemble(nn.Module):
             return self._logits(tokens, memory, cache)[0]
         return self.log_probs(tokens, memory, cache)
 
-    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
-        """Teacher-forced combined log-probabilities (B, Lt, V), fp32."""
-        lprobs = torch.stack([torch.log_softmax(m(src, tgt_in).float(), dim=-1) for m in self.models])
-        return lprobs[0] if len(self.members) == 1 else log_mean_exp(lprobs)
-
 
 def as_ensemble(model: Transformer | Ensemble) -> Ensemble:
     """``model`` itself, or a plain model as an ensemble of one."""
