@@ -3,6 +3,8 @@
     tpe-ckpt list RUN_DIR
     tpe-ckpt average RUN_DIR --last 5 --out DIR      # the mean of the last N checkpoints' weights
     tpe-ckpt export CHECKPOINT|RUN_DIR --out DIR     # one checkpoint (RUN_DIR: its latest)
+    tpe-ckpt export SRC --out DIR --format hf        # a transformers model + fast tokenizer
+    tpe-ckpt export SRC --out DIR --format ctranslate2 --quantization int8
     tpe-ckpt reshard CHECKPOINT --config_file configs/accelerate/X.yaml --out RUN_DIR
 
 ``average`` and ``export`` consolidate the checkpoints' weights from their shards, one tensor at a time
@@ -11,6 +13,11 @@ safetensors weights, the config and the tokenizer. ``reshard`` starts the traine
 file: it loads the checkpoint into the new layout and saves it there, so that each rank of that layout
 then reads exactly its own files (``--deepspeed-shards``: DeepSpeed's own shards of that layout too).
 A run resumed on another layout needs no reshard: it reads the regions it needs from any checkpoint.
+
+``export --format hf|ctranslate2`` converts for use outside tpe-train (docs/export.md): SRC is a
+checkpoint, a run directory (its latest complete checkpoint) or an export (e.g. ``averaged-last5``);
+a checkpoint is first exported natively to a temporary directory, then the loaded model converted.
+A model that the format cannot represent exactly is refused, with the reason.
 """
 
 from __future__ import annotations
@@ -20,10 +27,11 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
-from tpe_train.ckpt.export import export_mean
-from tpe_train.ckpt.rundir import CONFIG, RunDir
+from tpe_train.ckpt.export import META, WEIGHTS, export_mean, load_export, save_export
+from tpe_train.ckpt.rundir import CONFIG, TOKENIZER, RunDir
 from tpe_train.ckpt.store import LATEST, MANIFEST, TRAINER, CheckpointError, Entry, entries, latest_complete
 from tpe_train.config import ConfigError
 
@@ -78,9 +86,50 @@ def cmd_average(args: argparse.Namespace) -> None:
     print(f"averaged {', '.join(e.path.name for e in chosen)} -> {out}")
 
 
+FORMATS = ("native", "hf", "ctranslate2")
+QUANTIZATIONS = ("int8", "int8_float16", "float16", "float32")
+
+
+def _is_export(path: Path) -> bool:
+    """An export directory (what ``load_export`` reads), not a checkpoint or a run directory."""
+    return not (path / MANIFEST).is_file() and all((path / n).is_file() for n in (WEIGHTS, CONFIG, TOKENIZER))
+
+
 def cmd_export(args: argparse.Namespace) -> None:
-    path = _checkpoint(Path(args.checkpoint))
-    print(f"exported {path} -> {export_mean([path], Path(args.out))}")
+    source, out = Path(args.checkpoint), Path(args.out)
+    if args.quantization and args.format != "ctranslate2":
+        raise ConfigError(
+            f"--quantization {args.quantization} applies to --format ctranslate2 only (this is --format "
+            f"{args.format}, whose weights are written in fp32); drop --quantization or choose ctranslate2"
+        )
+    if not source.exists():
+        raise CheckpointError(f"{source} does not exist; pass a checkpoint, a run directory or an export")
+    if args.format == "native" and not _is_export(source):
+        path = _checkpoint(source)
+        print(f"exported {path} -> {export_mean([path], out)}")
+        return
+    with tempfile.TemporaryDirectory(prefix="tpe-export-") as tmp:
+        if _is_export(source):
+            native = source
+        else:
+            native = export_mean([_checkpoint(source)], Path(tmp) / "native")
+        try:
+            model, cfg, tok = load_export(native)
+        except ValueError as err:  # a hash or shape that does not match: the export is damaged
+            raise CheckpointError(str(err)) from None
+        meta = native / META
+        step = int(json.loads(meta.read_text()).get("step", 0)) if meta.is_file() else 0
+        if args.format == "native":
+            written = save_export(out, model, cfg, tok, step)
+        elif args.format == "hf":
+            from tpe_train.ckpt.hf import export_hf
+
+            written = export_hf(model, cfg, tok, out, step, source=str(source))
+        else:
+            from tpe_train.ckpt.ct2 import export_ctranslate2
+
+            written = export_ctranslate2(model, cfg, tok, out, args.quantization or "float32")
+    print(f"exported {source} (step {step}) -> {written} ({args.format})")
 
 
 def cmd_reshard(args: argparse.Namespace) -> None:
@@ -112,9 +161,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--last", type=int, default=5)
     p.add_argument("--out", required=True)
     p.set_defaults(fn=cmd_average)
-    p = sub.add_parser("export", help="one checkpoint (or a run's latest) as an export for tpe-eval")
-    p.add_argument("checkpoint")
+    p = sub.add_parser("export", help="one checkpoint (or a run's latest, or an export) as an export")
+    p.add_argument("checkpoint", help="a checkpoint, a run directory (its latest) or an export directory")
     p.add_argument("--out", required=True)
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="native",
+        help="native: for tpe-eval/tpe-translate; hf: a transformers model; ctranslate2: a CTranslate2 model",
+    )
+    p.add_argument("--quantization", choices=QUANTIZATIONS, help="ctranslate2 only (default float32)")
     p.set_defaults(fn=cmd_export)
     p = sub.add_parser("reshard", help="re-save a checkpoint under another launch layout")
     p.add_argument("checkpoint")
