@@ -25,7 +25,7 @@ import tpe_train.model.attention as attention
 import tpe_train.model.loss as loss_module
 from tpe_train.data.batching import Batch
 from tpe_train.model.loss import label_smoothed_loss
-from tpe_train.train.step import batch_terms
+from tpe_train.train.step import batch_terms, loss_sums
 
 _SDPA = F.scaled_dot_product_attention  # the real one (tests patch the attribute)
 
@@ -125,6 +125,33 @@ def test_a_training_step_of_every_encoding_runs_under_fake_tensors(
         grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None for g in grads[:3])
     assert nll.shape == () and ntok.shape == ()
+
+
+def test_a_validation_pass_reads_nothing_back_per_batch() -> None:
+    """``loss_sums`` (the validation pass) adds the batches' nll and token counts on the device: under
+    FakeTensorMode a per-batch ``float()``/``int()`` would raise; the real sums equal the per-batch
+    host sums."""
+    model = tiny_model("t5")
+    batches = []
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        src, tgt = (
+            torch.randint(3, 40, (3, 6 + seed), generator=g),
+            torch.randint(3, 40, (3, 4 + seed), generator=g),
+        )
+        tgt[seed % 3, 2:] = 0  # padding
+        tgt_in = torch.cat([torch.ones(3, 1, dtype=torch.long), tgt[:, :-1]], 1)
+        batches.append(Batch(torch.arange(3), src, tgt_in, tgt))
+    with FakeTensorMode() as mode:
+        fake = [Batch(*(mode.from_tensor(t) for t in (b.ids, b.src, b.tgt_in, b.tgt_out))) for b in batches]
+        nll, ntok = loss_sums(tiny_model("t5"), iter(fake), _Cfg(), cast=False)  # type: ignore[arg-type]
+    assert nll.shape == () and ntok.shape == ()
+    with torch.no_grad():
+        nll, ntok = loss_sums(model, iter(batches), _Cfg(), cast=False)  # type: ignore[arg-type]
+        each = [batch_terms(model, b, _Cfg(), cast=False) for b in batches]  # type: ignore[arg-type]
+    assert nll.dtype == torch.float64
+    assert float(nll) == pytest.approx(sum(float(e[1]) for e in each), rel=1e-12)
+    assert int(ntok) == sum(int(e[2]) for e in each) > 0
 
 
 class _Count(TorchDispatchMode):

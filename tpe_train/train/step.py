@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import math
 import random
+from collections.abc import Iterable
 from typing import Any
 
 import numpy as np
@@ -69,6 +70,18 @@ def batch_loss(
     return loss, nll, int(ntok)
 
 
+def loss_sums(
+    model: Any, batches: Iterable[Batch], cfg: Config, cast: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed nll, target tokens) of ``batches`` as float64 tensors on their device. Nothing is read
+    back per batch: a GPU queues every batch of a validation pass instead of waiting for each one."""
+    nll_sum = ntok_sum = torch.zeros((), dtype=torch.float64)
+    for batch in batches:
+        _, nll, ntok = batch_terms(model, batch, cfg, cast)
+        nll_sum, ntok_sum = nll_sum.to(nll.device) + nll, ntok_sum.to(ntok.device) + ntok
+    return nll_sum, ntok_sum
+
+
 def train_step(
     engine: Engine, micro: list[Batch], cfg: Config, ctx: ParallelContext, cast: bool
 ) -> dict[str, float]:
@@ -110,11 +123,9 @@ def validate(engine: Engine, data: Any, cfg: Config, ctx: ParallelContext, cast:
         # Pairs longer than data.max_len are left out, as in training: a learned table may not reach them.
         kept = np.nonzero((src_len <= cfg.data.max_len) & (tgt_len <= cfg.data.max_len))[0]
         batches = BatchIterator(src_len[kept], tgt_len[kept], cfg.data.max_tokens, seed=0).batches
-        nll_sum, ntok_sum = 0.0, 0.0
-        for idx in batches[ctx.dp_rank :: ctx.dp_size]:
-            _, nll, ntok = batch_loss(model, collate(data.valid, kept[idx]).to(ctx.device), cfg, cast)
-            nll_sum, ntok_sum = nll_sum + float(nll), ntok_sum + ntok
-        nll_sum, ntok_sum = ctx.dp_sum([nll_sum, ntok_sum])
+        mine = (collate(data.valid, kept[idx]).to(ctx.device) for idx in batches[ctx.dp_rank :: ctx.dp_size])
+        nll, ntok = loss_sums(model, mine, cfg, cast)
+        nll_sum, ntok_sum = ctx.dp_sum([float(nll), float(ntok)])  # the pass's one host read
         out = {"valid/nll": nll_sum / ntok_sum, "valid/ppl": math.exp(min(nll_sum / ntok_sum, 50.0))}
         n = cfg.train.valid_bleu_size
         if n:
