@@ -6,7 +6,6 @@ every exportable layout; one few-step trained model through the command, loaded 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,15 +112,31 @@ def test_models_without_an_exact_transformers_twin_are_refused(kind: str, change
         hf_export.hf_target(model.args)
 
 
+@pytest.mark.parametrize("beam", [1, 4])
+def test_generate_ends_sentences_at_tpe_translates_length_cap(tok: Tokenizer, beam: int) -> None:
+    """A random model rarely says EOS: its hypotheses run into the cap (a * source + b), where
+    tpe-translate forces EOS per sentence; LengthCap makes generate do the same in a batch of
+    sentences with different caps."""
+    model = _random("sinusoidal", tok.get_vocab_size(), False)
+    hf, _ = hf_export.to_hf(model, load_config("demo", []), tok)
+    options = DecodeOptions(beam=beam, alpha=0.0, max_len_a=0.5, max_len_b=3, max_tokens=1000, batch_size=10)
+    ours = decode_sentences(model, tok, SENTENCES, options)
+    seqs = [[*s, EOS_ID] for s in encode(tok, SENTENCES)]
+    hyps = hf_export.generate(hf, seqs, beam, 0.0, options.max_len_a, options.max_len_b)
+    limits = hf_export.length_limits([len(s) for s in seqs], 0.5, 3, None)
+    assert len(set(limits)) == len(SENTENCES)  # four different caps in one batch
+    assert sum(len(h) == cap - 1 for h, cap in zip(hyps, limits, strict=True)) >= 2  # caps were reached
+    assert tok.decode_batch(hyps, skip_special_tokens=True) == [t.text for t in ours]
+    assert [len(h) for h in hyps] == [t.output_tokens for t in ours]
+
+
 @pytest.fixture(scope="module")
-def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def run_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from tpe_train.train.loop import run
 
     root = tmp_path_factory.mktemp("hf")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("TPE_DATA_CACHE", str(root / "data"))
-        run(load_config("demo", [*TINY, f"train.run_dir={root / 'run'}"]))
-    yield root / "run"
+    run(load_config("demo", [*TINY, f"train.run_dir={root / 'run'}"]))  # about 3 s
+    return root / "run"
 
 
 @pytest.fixture(scope="module")
@@ -131,6 +146,7 @@ def exported(run_dir: Path) -> Path:
     return out
 
 
+@pytest.mark.slow
 def test_the_command_exports_a_run_that_auto_classes_load(run_dir: Path, exported: Path) -> None:
     from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
 
@@ -155,6 +171,7 @@ def test_the_command_exports_a_run_that_auto_classes_load(run_dir: Path, exporte
     assert _logits(model, hf, batch["input_ids"], tgt_in) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("beam", [1, 4])
 def test_generate_translates_as_tpe_translate(run_dir: Path, exported: Path, beam: int) -> None:
     """Greedy and beam 4 (no length penalty: alpha 0 is the one value both length penalties share)

@@ -43,7 +43,8 @@ never extends a hypothesis with PAD), ``early_stopping=True`` (a sentence is don
 said exactly: ``transformers`` divides a hypothesis's log-probability by len ** length_penalty,
 ``tpe-translate`` by ((5 + len) / 6) ** alpha (GNMT); both are 1 at alpha = 0, the one value where
 they agree, so the export's ``length_penalty`` is 0.0 when eval.alpha is 0, and eval.alpha otherwise
-(the same exponent on another base; see the model card).
+(the same exponent on another base; see the model card). The per-sentence length cap of
+``tpe-translate`` is a logits processor, ``LengthCap``; ``generate`` decodes a batch with both.
 """
 
 from __future__ import annotations
@@ -393,36 +394,66 @@ With fp32 weights, teacher-forced logits equal those of the tpe-train model with
 export's tests check). `generation_config.json` decodes as `tpe-translate` does: beam {e.beam},
 `early_stopping=True` (a sentence ends when it has {e.beam} finished hypotheses), `<pad>` never
 generated. Length penalty: {lp}. `tpe-translate` caps each sentence at {e.max_len_a} x source tokens
-+ {e.max_len_b}; `max_new_tokens` here is one cap for a whole batch.
++ {e.max_len_b} output tokens and forces EOS there; `max_new_tokens` here is one cap for a whole batch,
+which cuts hypotheses without EOS (tpe-train's `tpe_train.ckpt.hf.LengthCap` logits processor applies
+the per-sentence cap).
 """
+
+
+class LengthCap:
+    """A ``transformers`` logits processor for ``tpe-translate``'s length cap: at the step where a
+    sentence reaches a * source tokens + b generated tokens (EOS included), EOS is its only choice,
+    with its own log-probability (every other token -inf). ``generate`` has one ``max_new_tokens``
+    per batch; with this processor each sentence ends where ``tpe-translate`` ends it, in greedy and
+    in beam search alike (beam search hands the processor log-probabilities, greedy logits; keeping
+    EOS's value is ``tpe-translate``'s forced step in both).
+
+    ``limits``: per sentence of the batch, in order; its ``beams`` rows follow one another."""
+
+    def __init__(self, limits: list[int], beams: int) -> None:
+        self.limits = torch.tensor(limits).repeat_interleave(beams)  # (B * K,)
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        generated = input_ids.shape[1] - 1  # the decoder start token is no output
+        forced = self.limits.to(scores.device) <= generated + 1  # (B * K,): the next token is the last
+        if bool(forced.any()):
+            eos = scores[forced, EOS_ID].clone()
+            scores[forced] = float("-inf")
+            scores[forced, EOS_ID] = eos
+        return scores
+
+
+def length_limits(src_lengths: list[int], max_len_a: float, max_len_b: int, cap: int | None) -> list[int]:
+    """``tpe-translate``'s per-sentence cap: a * source tokens (EOS included) + b output tokens (EOS
+    included), at most ``cap`` (the decoder's positions), at least 1."""
+    limits = [int(n * max_len_a) + max_len_b for n in src_lengths]
+    return [max(1, min(x, cap) if cap is not None else x) for x in limits]
 
 
 def generate(
     hf: Any, src: list[list[int]], beam: int, length_penalty: float, max_len_a: float, max_len_b: int
 ) -> list[list[int]]:
-    """``hf.generate`` on one batch of source ids (each ending with EOS), with ``tpe-translate``'s
-    length cap: a * source tokens + b per sentence, EOS included. ``transformers`` has one cap per
-    batch, so generation runs to the longest sentence's cap; greedy output (rows independent) is then
-    cut at each sentence's own cap, which is exactly where ``tpe-translate`` forces EOS. Beam output is
-    left as generated: a beam that reached its cap ends differently in the two (forced EOS scored, or
-    cut unscored). Returns the generated ids without the start token, EOS and padding."""
-    cap = hf.config.max_position_embeddings  # a learned table's rows (ours caps there too)
-    limits = [max(1, min(int(len(s) * max_len_a) + max_len_b, cap)) for s in src]
+    """``hf.generate`` on one batch of source ids (each ending with EOS) as ``tpe-translate`` decodes
+    it: the beam, the length penalty (``tpe-translate``'s equals it at 0 only), and each sentence's
+    length cap through ``LengthCap``. Returns the generated ids without the start token and EOS."""
+    from transformers import LogitsProcessorList
+
+    limits = length_limits([len(s) for s in src], max_len_a, max_len_b, hf.config.max_position_embeddings)
     width = max(len(s) for s in src)
     ids = torch.full((len(src), width), PAD_ID, dtype=torch.long)
     for row, s in enumerate(src):
         ids[row, : len(s)] = torch.tensor(s)
+    beam_options = {"num_beams": beam, "length_penalty": length_penalty} if beam > 1 else {"num_beams": 1}
     with torch.no_grad():
         out = hf.generate(
             input_ids=ids,
             attention_mask=(ids != PAD_ID).long(),
-            num_beams=beam,
-            length_penalty=length_penalty,
             max_new_tokens=max(limits),
             do_sample=False,
+            logits_processor=LogitsProcessorList([LengthCap(limits, beam)]),
+            **beam_options,
         )
     hyps: list[list[int]] = []
-    for row, limit in zip(out[:, 1:].tolist(), limits, strict=True):
-        hyp = row[: row.index(EOS_ID)] if EOS_ID in row else [t for t in row if t != PAD_ID]
-        hyps.append(hyp[: limit - 1] if beam == 1 else hyp)
+    for row in out[:, 1:].tolist():
+        hyps.append(row[: row.index(EOS_ID)] if EOS_ID in row else row)
     return hyps
