@@ -52,6 +52,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import textwrap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -70,13 +71,14 @@ from tpe_train.model.transformer import Transformer
 PROVENANCE = "tpe-export.json"
 
 _RELATIVE_WHY = {
-    "shaw": "Shaw et al.'s relative key (and value) embeddings inside attention: no transformers "
+    "shaw": "Shaw et al.'s relative key (and value) embeddings inside attention: no transformers text "
     "encoder-decoder has them",
     "t5": "T5's bucketed relative bias would map onto T5ForConditionalGeneration only with its RMSNorm "
     "(no mean, no bias), bias-free projections and unscaled attention; this model has LayerNorm, biased "
     "projections and scaled attention",
-    "rope": "rotary q/k embeddings: the transformers encoder-decoders with RoPE (T5Gemma) also change "
-    "the norm (RMSNorm), the feed-forward (gated) and the attention, so none matches this model",
+    "rope": "rotary q/k embeddings: the transformers text models with rotary attention that form an "
+    "encoder-decoder differ elsewhere (RoFormer normalises the embeddings, T5Gemma has RMSNorm and gated "
+    "feed-forward layers), so none equals this model",
     "alibi": "ALiBi's linear attention biases: no transformers encoder-decoder has them",
 }
 
@@ -341,7 +343,7 @@ def model_card(model: Transformer, cfg: Config, target: Target, step: int, sourc
     """README.md of an export: what it is, how to load it, what maps exactly and what does not."""
     a, e = model.args, cfg.eval
     params = sum(p.numel() for p in model.parameters())
-    src_lang, tgt_lang = cfg.data.src_lang, cfg.data.tgt_lang
+    pair = f"{cfg.data.src_lang} -> {cfg.data.tgt_lang}" if cfg.data.src_lang else "a"
     norm = (
         "pre-norm (LayerNorm before each sublayer, a final LayerNorm per stack)"
         if a.pre_norm
@@ -357,47 +359,61 @@ def model_card(model: Transformer, cfg: Config, target: Target, step: int, sourc
         "fine-tuning would train that table",
     }[target.encoding]
     lp = (
-        "the same as tpe-translate's (no length penalty)"
+        "none, as in tpe-translate (eval.alpha = 0)"
         if e.alpha == 0
-        else f"{e.alpha}; transformers divides by len ** {e.alpha}, tpe-translate by ((5 + len) / 6) ** "
-        f"{e.alpha}, so translations can differ where hypotheses of different lengths compete. "
-        "`length_penalty=0.0` here with `--alpha 0` in tpe-translate decode alike"
+        else f"`length_penalty={e.alpha}`: transformers divides a hypothesis's log-probability by "
+        f"len ** {e.alpha}, tpe-translate by ((5 + len) / 6) ** {e.alpha}, so translations can differ where "
+        "hypotheses of different lengths compete; `length_penalty=0.0` here and `--alpha 0` in "
+        "tpe-translate decode alike"
     )
-    return f"""# {name}
 
-A {src_lang or "source"} -> {tgt_lang or "target"} translation model trained with tpe-train
-(encoder-decoder Transformer, position encoding: **{target.encoding}**), exported by
-`tpe-ckpt export --format hf` as `{target.class_name}`.
+    def wrap(text: str, indent: str = "") -> str:
+        return textwrap.fill(text, 100, subsequent_indent=indent, break_on_hyphens=False)
 
-- Source: `{source}`, training step {step}
-- Shape: d_model {a.d_model}, {a.n_heads} heads, FFN {a.ffn_dim}, {a.encoder_layers} + {a.decoder_layers}
-  layers, {norm}, ReLU, one {a.vocab_size}-token vocabulary shared by source, target and output layer;
-  {params:,} parameters
-- Positions: {positions}
-
-## Use
-
-```python
-from transformers import AutoModelForSeq2SeqLM, AutoTokenizer
-
-tokenizer = AutoTokenizer.from_pretrained("{name}")
-model = AutoModelForSeq2SeqLM.from_pretrained("{name}")
-batch = tokenizer(["A man is riding a bike ."], return_tensors="pt", padding=True)
-print(tokenizer.batch_decode(model.generate(**batch), skip_special_tokens=True))
-```
-
-The tokenizer appends `</s>` to every input, as in training. The decoder starts from `<s>`.
-
-## Exactness
-
-With fp32 weights, teacher-forced logits equal those of the tpe-train model within 1e-4 (what the
-export's tests check). `generation_config.json` decodes as `tpe-translate` does: beam {e.beam},
-`early_stopping=True` (a sentence ends when it has {e.beam} finished hypotheses), `<pad>` never
-generated. Length penalty: {lp}. `tpe-translate` caps each sentence at {e.max_len_a} x source tokens
-+ {e.max_len_b} output tokens and forces EOS there; `max_new_tokens` here is one cap for a whole batch,
-which cuts hypotheses without EOS (tpe-train's `tpe_train.ckpt.hf.LengthCap` logits processor applies
-the per-sentence cap).
-"""
+    facts = [
+        f"Source: `{source}`, training step {step}.",
+        f"Shape: d_model {a.d_model}, {a.n_heads} heads, FFN {a.ffn_dim}, {a.encoder_layers} + "
+        f"{a.decoder_layers} layers, {norm}, ReLU, one {a.vocab_size}-token vocabulary shared by source, "
+        f"target and output layer; {params:,} parameters.",
+        f"Positions: {positions}.",
+    ]
+    exact = (
+        "With fp32 weights, teacher-forced logits equal those of the tpe-train model within 1e-4 (what "
+        "the export's tests check). `generation_config.json` decodes as `tpe-translate` does: beam "
+        f"{e.beam}, "
+        f"`early_stopping=True` (a sentence ends when it has {e.beam} finished hypotheses), `<pad>` never "
+        f"generated. Length penalty: {lp}. Length: `tpe-translate` allows each sentence {e.max_len_a:g} x "
+        f"its source tokens + {e.max_len_b} output tokens and ends it with EOS there; `max_new_tokens` "
+        "is one cap for a whole batch and cuts hypotheses without EOS (tpe-train's "
+        "`tpe_train.ckpt.hf.LengthCap` logits processor applies the per-sentence cap)."
+    )
+    return "\n".join([
+        f"# {name}",
+        "",
+        wrap(f"A {pair} translation model trained with tpe-train (encoder-decoder Transformer, position "
+             f"encoding: **{target.encoding}**), exported by `tpe-ckpt export --format hf` as "
+             f"`{target.class_name}`."),
+        "",
+        *(wrap(f"- {fact}", "  ") for fact in facts),
+        "",
+        "## Use",
+        "",
+        "```python",
+        "from transformers import AutoModelForSeq2SeqLM, AutoTokenizer",
+        "",
+        f'tokenizer = AutoTokenizer.from_pretrained("{name}")',
+        f'model = AutoModelForSeq2SeqLM.from_pretrained("{name}")',
+        'batch = tokenizer(["A man is riding a bike ."], return_tensors="pt", padding=True)',
+        "print(tokenizer.batch_decode(model.generate(**batch), skip_special_tokens=True))",
+        "```",
+        "",
+        "The tokenizer appends `</s>` to every input, as in training; the decoder starts from `<s>`.",
+        "",
+        "## Exactness",
+        "",
+        wrap(exact),
+        "",
+    ])  # fmt: skip
 
 
 class LengthCap:
