@@ -96,7 +96,7 @@ def test_the_sinusoid_needs_the_permutation(tok: Tokenizer, monkeypatch: pytest.
 @pytest.mark.parametrize(
     ("kind", "changes", "why"),
     [
-        ("shaw", {}, "no transformers encoder-decoder has them"),
+        ("shaw", {}, "no transformers text encoder-decoder has them"),
         ("t5", {}, "RMSNorm"),
         ("rope", {}, "rotary"),
         ("alibi", {}, "ALiBi"),
