@@ -381,7 +381,7 @@ def run_command(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
         ns = parse_only(monkeypatch, data_main, args)
         load(ns.preset, ns.overrides)
     elif name == "tpe-study":
-        from tpe_train.study.cli import archive_parser, report_parser, run_parser
+        from tpe_train.study.cli import archive_parser, extrapolate_parser, report_parser, run_parser
         from tpe_train.study.grid import parse_seeds, parse_setting
 
         sub, rest = args[0], args[1:]
@@ -392,7 +392,8 @@ def run_command(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
             parse_seeds(ns.seeds)
             load(ns.preset, ns.overrides)
         else:
-            {"report": report_parser, "archive": archive_parser}[sub]().parse_args(rest)
+            parsers = {"report": report_parser, "archive": archive_parser, "extrapolate": extrapolate_parser}
+            parsers[sub]().parse_args(rest)
     else:
         raise AssertionError(f"{name}: a command this test does not know; teach it")
     return name

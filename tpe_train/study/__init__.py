@@ -9,6 +9,9 @@ arrays, then one report (markdown table, paired significance tests, PNG plots, T
   (``checkpoint.export_mean``) and evaluates them (``evaluate.evaluate``) on request.
 - ``results``: the types both report and plots use: every run's figures, means and deviations over
   seeds, and the paired bootstrap tests against the baseline setting.
-- ``report``: the markdown table and ``summary.json``.
+- ``report``: the markdown table and ``summary.json`` (of a study, and of an extrapolation).
 - ``plots``: the figures, written as PNG files and as TensorBoard images.
+- ``extrapolate`` and ``position_methods``: ``tpe-study extrapolate``, trained checkpoints x test-time
+  position methods x test sets (and their concatenations), each cell decoded once and kept, scored per
+  length bucket with bootstrap intervals and paired tests against the unmodified model.
 """

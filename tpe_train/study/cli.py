@@ -6,6 +6,8 @@
     tpe-study run ... --slurm --slurm-args "--gpus-per-node 8 --time 24:00:00"   # Slurm job arrays
     tpe-study report DIR [--baseline rope]                           # gather again, no training
     tpe-study archive DIR DEST                  # results without weights, machine paths made relative
+    tpe-study extrapolate DIR [--methods rope-yarn,alibi-slope] [--factors 2,4] [--concat 2,3]
+    tpe-study extrapolate --checkpoint A --checkpoint B ...     # test-time position methods, no training
 
 Settings: <kind> (none, sinusoidal, learned, shaw, t5, rope, alibi), <kind>-noenc (no position
 information in the encoder only), <kind>-nodec (none in the decoder only). Bad input stops with one
@@ -202,7 +204,122 @@ def cmd_report(argv: list[str]) -> int:
     return 0
 
 
-COMMANDS = {"run": cmd_run, "report": cmd_report, "archive": cmd_archive}
+def extrapolate_parser() -> argparse.ArgumentParser:
+    from tpe_train.study.position_methods import FAMILIES
+
+    p = Parser(
+        prog="tpe-study extrapolate",
+        description="Score trained checkpoints with test-time position methods (no retraining) on a test set "
+        "and its N-sentence concatenations: BLEU and chrF per source-length bucket with bootstrap 95% "
+        "confidence intervals and paired tests against the unmodified model; a report with tables and "
+        "plots in OUT/report. Decoded cells are kept in OUT/cells: the same command again decodes only "
+        "what is new.",
+    )
+    p.add_argument("study_dir", nargs="?", default=None, help="a study directory: every run's export")
+    p.add_argument(
+        "--checkpoint", action="append", default=[], help="an export (repeatable), instead of a study"
+    )
+    p.add_argument("--out", default=None, help="where cells and report go (default STUDY/extrapolate, or "
+                   "runs/extrapolate for --checkpoint)")  # fmt: skip
+    p.add_argument(
+        "--methods",
+        default=None,
+        help=f"comma-separated method families (default: every one that applies): {', '.join(FAMILIES)}",
+    )
+    p.add_argument("--factors", default="2,4", help="factors s > 1 of every family (default 2,4)")
+    p.add_argument(
+        "--sides",
+        default="both",
+        help="where the families act: comma-separated encoder, decoder, cross, both (default both)",
+    )
+    p.add_argument(
+        "--custom",
+        action="append",
+        default=[],
+        metavar="LABEL=KEY=VALUE[,KEY=VALUE]",
+        help="a method of any --position settings, e.g. yarn3e=rope.scaling=yarn,rope.factor=3,side=encoder",
+    )
+    p.add_argument(
+        "--yarn-original",
+        type=int,
+        default=None,
+        help="YaRN's trained context in tokens (rope.original; default data.max_len + 1, as tpe-eval): give "
+        "the longest training sequence when training used shorter sentences than data.max_len",
+    )
+    p.add_argument(
+        "--split",
+        default=None,
+        help="comma-separated splits of the models' corpus (default: the config's test split)",
+    )
+    p.add_argument("--src", action="append", default=[], help="a source file (with --ref; repeatable)")
+    p.add_argument("--ref", action="append", default=[], help="its reference file, line by line")
+    p.add_argument(
+        "--concat", default="2,3", help="also every set as N-sentence segments (default 2,3; 0: none)"
+    )
+    p.add_argument(
+        "--limit", type=int, default=None, help="only the first N pairs of each set (named SET[:N])"
+    )
+    p.add_argument("--buckets", default=None, help="length bucket edges in source words (default: "
+                   "eval.length_buckets of each checkpoint), e.g. 8,16,24,32,48")  # fmt: skip
+    p.add_argument("--beam", type=int, default=None, help="override eval.beam (1: greedy)")
+    p.add_argument("--samples", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
+    p.add_argument(
+        "--dry-run", action="store_true", help="check everything and list the cells; decode nothing"
+    )
+    return p
+
+
+def cmd_extrapolate(argv: list[str]) -> int:
+    from tpe_train.evaluation.decoding import device_from_arg
+    from tpe_train.study import extrapolate as ex
+    from tpe_train.study.position_methods import methods_of, parse_list
+    from tpe_train.study.report import write_extrapolation_report
+    from tpe_train.study.results import config_cap
+
+    args = extrapolate_parser().parse_args(argv)
+    if (args.study_dir is None) == (not args.checkpoint):
+        raise StudyError("give a study directory or --checkpoint PATH (repeatable), one of the two")
+    if len(args.src) != len(args.ref):
+        raise StudyError(
+            f"{len(args.src)} --src but {len(args.ref)} --ref; give each source file its reference"
+        )
+    if args.limit is not None and args.limit < 1:
+        raise StudyError("--limit must be at least 1 (sentences of each set)")
+    families = None if args.methods is None else parse_list(args.methods, "--methods")
+    factors, sides = parse_list(args.factors, "--factors", float), parse_list(args.sides, "--sides")
+    methods = methods_of(families, factors, sides, args.custom, args.yarn_original)
+    concat = [n for n in parse_list(args.concat, "--concat", int) if n != 0]
+    buckets = None if args.buckets is None else parse_list(args.buckets, "--buckets", int)
+    if args.study_dir is not None:
+        study = Study.load(Path(args.study_dir))
+        checkpoints: list[tuple[Path, str, str, int | None]] = list(ex.study_exports(study))
+        out = Path(args.out) if args.out else study.root / "extrapolate"
+    else:
+        taken: set[str] = set()
+        checkpoints = [(Path(c), label := ex.label_of(Path(c), taken), label, None) for c in args.checkpoint]
+        out = Path(args.out or "runs/extrapolate")
+    try:
+        device = device_from_arg(args.device)
+    except ValueError as err:
+        raise StudyError(str(err)) from None
+    splits = tuple(parse_list(args.split or "", "--split"))
+    sets = ex.SetSpec(splits, tuple(zip(args.src, args.ref, strict=True)), tuple(concat), args.limit)
+    named = args.methods is not None or bool(args.custom)
+    plan = ex.make_plan(out, checkpoints, methods, sets, args.samples, args.beam, buckets, named, device.type)
+    if args.dry_run:
+        ex.run_plan(plan, device, dry_run=True)
+        return 0
+    with RunLock(out, fix="pass another --out", prog="tpe-study extrapolate"):
+        decoded, kept = ex.run_plan(plan, device)
+        rows = ex.score(plan)
+        caps = {config_cap(c.cfg) for c in plan.checkpoints}
+        outcome = ex.Outcome(plan, rows, caps.pop() if len(caps) == 1 else None, decoded, kept)
+        print(f"report: {write_extrapolation_report(outcome)} ({decoded} cells decoded, {kept} kept)")
+    return 0
+
+
+COMMANDS = {"run": cmd_run, "report": cmd_report, "archive": cmd_archive, "extrapolate": cmd_extrapolate}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ state, no display needed.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -16,6 +17,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from tpe_train.positions.absolute import sinusoid_table
+from tpe_train.study.extrapolate import ALL, Outcome
 from tpe_train.study.grid import Setting, Study
 from tpe_train.study.results import FIGURES, Row, Run, bucket_low, bucket_names, run_config, training_cap
 
@@ -53,12 +55,21 @@ def probe_figure(rows: list[Row], runs: list[Run]) -> Figure:
     return fig
 
 
-def length_figure(rows: list[Row], runs: list[Run]) -> Figure:
-    """BLEU per source-length bucket, one line per setting; buckets beyond training shaded."""
-    buckets = bucket_names(runs)
-    cap = training_cap(runs)
-    fig = Figure(figsize=(max(6.0, 1.1 * len(buckets) + 3), 4.5), layout="constrained")
-    ax = fig.add_subplot()
+@dataclass
+class Series:
+    """One line of a score-against-length plot: a value and an error bar per bucket (NaN: no value),
+    and the buckets it could not translate at all (annotated at the foot of the axes)."""
+
+    label: str
+    values: list[float]
+    errors: list[float]
+    too_long: set[str] = field(default_factory=set)
+
+
+def length_axes(
+    ax: Axes, buckets: list[str], cap: int | None, series: list[Series], ylabel: str, legend: bool = True
+) -> None:
+    """Score per source-length bucket, one line per series; buckets beyond training (``cap`` words) shaded."""
     x = list(range(len(buckets)))
     beyond = [i for i, b in enumerate(buckets) if cap is not None and bucket_low(b) > cap]
     if beyond:
@@ -68,14 +79,12 @@ def length_figure(rows: list[Row], runs: list[Run]) -> Figure:
             color="#f2e3c9",
             label=f"longer than training (> {cap} words)",
         )
-    for row in rows:
-        means = [row.buckets[b].mean if row.buckets[b].values else math.nan for b in buckets]
-        sds = [row.buckets[b].sd or 0.0 for b in buckets]
-        line = ax.errorbar(x, means, yerr=sds, marker="o", capsize=3, label=row.setting.name)
-        for i, b in enumerate(buckets):  # at the foot of the axes, in the setting's colour
-            if b in row.too_long and not row.buckets[b].values:
+    for one in series:
+        line = ax.errorbar(x, one.values, yerr=one.errors, marker="o", capsize=3, label=one.label)
+        for i, b in enumerate(buckets):  # at the foot of the axes, in the series' colour
+            if b in one.too_long:
                 ax.annotate(
-                    f"{row.setting.name}: too long",
+                    f"{one.label}: too long",
                     (i, 0.02),
                     xycoords=("data", "axes fraction"),
                     fontsize=7,
@@ -87,10 +96,28 @@ def length_figure(rows: list[Row], runs: list[Run]) -> Figure:
     ax.set_xticks(x, buckets)
     ax.set_xlim(-0.5, len(buckets) - 0.5)
     ax.set_xlabel("source length (words)")
-    ax.set_ylabel("BLEU")
-    ax.set_title("BLEU against source length (mean ± sd over seeds)")
+    ax.set_ylabel(ylabel)
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="best")
+    if legend:
+        ax.legend(fontsize=8, loc="best")
+
+
+def length_figure(rows: list[Row], runs: list[Run]) -> Figure:
+    """BLEU per source-length bucket, one line per setting; buckets beyond training shaded."""
+    buckets = bucket_names(runs)
+    fig = Figure(figsize=(max(6.0, 1.1 * len(buckets) + 3), 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    series = [
+        Series(
+            row.setting.name,
+            [row.buckets[b].mean if row.buckets[b].values else math.nan for b in buckets],
+            [row.buckets[b].sd or 0.0 for b in buckets],
+            {b for b in buckets if b in row.too_long and not row.buckets[b].values},
+        )
+        for row in rows
+    ]
+    length_axes(ax, buckets, training_cap(runs), series, "BLEU")
+    ax.set_title("BLEU against source length (mean ± sd over seeds)")
     return fig
 
 
@@ -192,3 +219,37 @@ def write_figures(figures: dict[str, Figure], out: Path, tb_dir: Path, text: str
     finally:
         writer.close()
     return paths
+
+
+def extrapolation_figure(outcome: Outcome, group: str) -> Figure:
+    """One group's (a setting's seeds, or one checkpoint) scores against source length: BLEU above,
+    chrF below, one column per test set, one line per method; error bars: the bootstrap 95% half-width
+    (pooled over the group's checkpoints)."""
+    sets = [s for s in outcome.sets() if any(r.group == group and r.test_set == s for r in outcome.rows)]
+    widths = [len([b for b in outcome.buckets(s) if b != ALL]) for s in sets]
+    fig = Figure(figsize=(sum(max(4.0, 0.9 * w + 2) for w in widths), 7.5), layout="constrained")
+    axes = fig.subplots(2, len(sets), squeeze=False)
+    for column, test_set in enumerate(sets):
+        buckets = [b for b in outcome.buckets(test_set) if b != ALL]
+        rows = [r for r in outcome.rows if r.group == group and r.test_set == test_set]
+        for line, (key, label) in enumerate((("bleu", "BLEU"), ("chrf", "chrF"))):
+            series = []
+            for row in rows:
+                tests = [row.buckets.get(b) for b in buckets]
+                series.append(
+                    Series(
+                        row.method.name,
+                        [t.figure(key)["score"] if t is not None else math.nan for t in tests],
+                        [t.figure(key)["ci95"] if t is not None else 0.0 for t in tests],
+                        {
+                            b
+                            for b, t in zip(buckets, tests, strict=True)
+                            if t and t.untranslated == t.sentences
+                        },
+                    )
+                )
+            ax = axes[line][column]
+            length_axes(ax, buckets, outcome.cap, series, label, legend=(line, column) == (0, 0))
+            ax.set_title(f"{test_set}: {label}", fontsize=10)
+    fig.suptitle(f"{group}: score against source length per method (± bootstrap 95% half-width)")
+    return fig

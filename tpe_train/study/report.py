@@ -4,16 +4,23 @@ paired bootstrap test of every setting against the baseline setting -> a markdow
 
 ``tpe-study report STUDY_DIR`` does only this, so a study can be re-gathered at any time (while a Slurm
 array still runs, the runs without figures are listed as missing).
+
+``write_extrapolation_report`` writes the report of ``tpe-study extrapolate`` with the same pieces
+(p-values, plots written by ``plots.write_figures``): per test set a BLEU and a chrF table of methods by
+length bucket, ``summary.json``, and one score-against-length figure per row group.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
 from tpe_train.evaluation.metrics import PairedResult
+from tpe_train.study.extrapolate import ALL, BucketTests, Outcome
 from tpe_train.study.grid import Study
+from tpe_train.study.position_methods import BASELINE
 from tpe_train.study.results import (
     FIGURES,
     Row,
@@ -252,4 +259,167 @@ def write_report(study: Study, heatmap_positions: int = 128) -> Path:
     path = out / "report.md"
     path.write_text(markdown(study, runs, rows, plots, notes, tests))
     (out / "summary.json").write_text(json.dumps(summary(study, rows, tests), indent=2) + "\n")
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------
+# tpe-study extrapolate: the same report machinery for test-time position methods
+
+
+def _bucket_cell(tests: BucketTests | None, key: str, baseline: bool) -> str:
+    """``23.4 ± 1.9`` (the baseline), ``25.0 ± 2.0 (+1.6, p 0.031)`` (a method); ``*``: some sources
+    left untranslated (scored empty)."""
+    if tests is None:
+        return "n/a"
+    f = tests.figure(key)
+    text = f"{f['score']:.1f} ± {f['ci95']:.1f}"
+    if not baseline:
+        text += f" ({f['delta']:+.1f}, p {_p(f['p_value'])})"
+    return text + ("*" if tests.untranslated else "")
+
+
+def extrapolation_markdown(outcome: Outcome, plots: list[Path]) -> str:
+    """The extrapolation report: what was run, per test set a BLEU and a chrF table (rows: setting x
+    method; columns: the whole set and each length bucket), the methods, the checkpoints, the plots."""
+    plan, cap = outcome.plan, outcome.cap
+    first = next((t.pooled for r in outcome.rows for t in r.buckets.values()), None)
+    signature = f", `{first.signatures['bleu']}`" if first is not None else ""
+    groups = outcome.groups()
+    rows_text = ", ".join(
+        f"`{g}`"
+        + (
+            f" ({n} checkpoints pooled)"
+            if (n := len([c for c in plan.checkpoints if c.group == g])) > 1
+            else ""
+        )
+        for g in groups
+    )
+    lines = [
+        "# Length extrapolation without retraining: test-time position methods",
+        "",
+        f"{_count(len(plan.checkpoints), 'checkpoint')}, one row per method for each of {rows_text}; "
+        f"{_count(len(plan.methods), 'method')} (the baseline included); test sets "
+        f"{', '.join(f'`{s}`' for s in outcome.sets())}; {_count(len(plan.cells), 'cell')}: "
+        f"{outcome.decoded} decoded now, {outcome.kept} kept from before.",
+        "",
+        "A cell is the score (sacreBLEU BLEU or chrF) over the bucket's sentences (`all`: the whole set) "
+        f"± the half-width of its bootstrap 95% confidence interval ({plan.samples} resamples{signature}); "
+        "a method also shows its difference to the unmodified model (`baseline`) on the same sentences and "
+        "the p-value of sacreBLEU's paired bootstrap resampling. A setting with several seeds is one row: "
+        "its checkpoints' sentences one after the other, each paired with its own checkpoint's baseline "
+        "sentence, resampled together (as the study report pools seeds; per checkpoint: `summary.json`).",
+        "Buckets are source words"
+        + (
+            f" (`--buckets {','.join(map(str, plan.buckets))}`)"
+            if plan.buckets
+            else " (`eval.length_buckets`)"
+        )
+        + ". A source longer than the encoding can represent (a learned table) is scored as an empty "
+        "translation; `*` marks buckets with some.",
+    ]
+    if cap is not None:
+        lines.append(
+            f"Training source sentences have at most {cap} words: buckets marked † hold only longer ones."
+        )
+    for test_set in outcome.sets():
+        rows = [r for r in outcome.rows if r.test_set == test_set]
+        buckets = outcome.buckets(test_set)
+        counts = {
+            b: sorted(
+                {t.sentences for r in rows if b in r.buckets for t in r.buckets[b].per_checkpoint.values()}
+            )
+            for b in buckets
+        }
+        sizes = ", ".join(
+            f"{b}: {n[0]}" + (f" to {n[-1]}" if n[-1] != n[0] else "") for b, n in counts.items()
+        )
+        lines += ["", f"## `{test_set}`", "", f"Sentences per checkpoint: {sizes}.", ""]
+        names = [b + (" †" if cap is not None and b != ALL and bucket_low(b) > cap else "") for b in buckets]
+        header = ["setting", "method", "checkpoints", *names]
+        for key, title in (("bleu", "BLEU"), ("chrf", "chrF")):
+            lines += [f"### {title}", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+            for row in rows:
+                cells = [f"`{row.group}`", f"`{row.method.name}`", str(len(row.checkpoints))]
+                cells += [_bucket_cell(row.buckets.get(b), key, row.method.name == BASELINE) for b in buckets]
+                lines.append("| " + " | ".join(cells) + " |")
+            lines.append("")
+    lines += ["", "## Methods", ""]
+    for method in plan.methods:
+        items = {cell.checkpoint.label: " ".join(f"--position {i}" for i in cell.items)
+                 for cell in plan.cells if cell.method == method}  # fmt: skip
+        shown = sorted(set(items.values()))
+        if shown == [""]:
+            settings = ""
+        elif len(shown) == 1:
+            settings = f" (`{shown[0]}`)"
+        else:  # settings that depend on the checkpoint (T5's trained max_distance)
+            settings = " (" + "; ".join(f"{label}: `{text}`" for label, text in items.items()) + ")"
+        lines.append(f"- `{method.name}`: {method.describe()}{settings}")
+    for name, labels in plan.skipped.items():
+        lines.append(f"- `{name}` does not apply to {', '.join(labels)} (not that encoding there)")
+    lines += [
+        "",
+        "## Checkpoints",
+        "",
+        "| checkpoint | row | seed | encoding | export |",
+        "|---|---|---|---|---|",
+    ]
+    for c in plan.checkpoints:
+        seed = "" if c.seed is None else str(c.seed)
+        lines.append(f"| {c.label} | `{c.group}` | {seed} | {c.describe()} | `{c.path}` |")
+    if plots:
+        lines += ["", "## Plots", ""]
+        lines += [f"![{p.stem.replace('_', ' ')}]({p.name})" for p in plots]
+    return "\n".join(lines) + "\n"
+
+
+def extrapolation_summary(outcome: Outcome) -> dict[str, Any]:
+    """The extrapolation report's figures as JSON (``summary.json``)."""
+    plan = outcome.plan
+    sets: dict[str, Any] = {}
+    for row in outcome.rows:
+        sets.setdefault(row.test_set, {}).setdefault(row.group, {})[row.method.name] = {
+            "checkpoints": row.checkpoints,
+            "buckets": {b: tests.as_dict() for b, tests in row.buckets.items()},
+        }
+    return {
+        "samples": plan.samples,
+        "training_cap": outcome.cap,
+        "buckets": plan.buckets,
+        "checkpoints": {
+            c.label: {
+                "path": str(c.path),
+                "row": c.group,
+                "seed": c.seed,
+                "encodings": c.encodings(),
+                "weights": c.weights,
+            }
+            for c in plan.checkpoints
+        },
+        "methods": {
+            m.name: {
+                "family": m.family,
+                "factor": m.factor,
+                "side": m.side,
+                "position": {cell.checkpoint.label: cell.items for cell in plan.cells if cell.method == m},
+            }
+            for m in plan.methods
+        },
+        "not_applied": plan.skipped,
+        "sets": sets,
+    }
+
+
+def write_extrapolation_report(outcome: Outcome) -> Path:
+    """``OUT/report/``: report.md, summary.json, one PNG per row group (and TensorBoard images)."""
+    from tpe_train.study.plots import extrapolation_figure, write_figures
+
+    out = outcome.plan.out / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    figures = {"extrapolation_" + re.sub(r"[^\w.+-]", "_", g): extrapolation_figure(outcome, g)
+               for g in outcome.groups()}  # fmt: skip
+    plots = write_figures(figures, out, out / "tb", extrapolation_markdown(outcome, []))
+    path = out / "report.md"
+    path.write_text(extrapolation_markdown(outcome, plots))
+    (out / "summary.json").write_text(json.dumps(extrapolation_summary(outcome), indent=2) + "\n")
     return path

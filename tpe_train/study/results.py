@@ -175,14 +175,19 @@ def run_config(run: Run) -> Config | None:
 
 
 def training_cap(runs: list[Run]) -> int | None:
-    """The longest training source sentence in words, when the corpus bounds it (synthetic:
-    ``data.synthetic.max_words``; real corpora: ``data.clean.max_words``); None when unknown."""
+    """The longest training source sentence in words of the first run with a config (``config_cap``)."""
     for run in runs:
         cfg = run_config(run)
         if cfg is not None:
-            d = cfg.data
-            return d.synthetic.max_words if d.corpus == "synthetic" else d.clean.max_words
+            return config_cap(cfg)
     return None
+
+
+def config_cap(cfg: Config) -> int | None:
+    """The longest training source sentence in words, when the corpus bounds it (synthetic:
+    ``data.synthetic.max_words``; real corpora: ``data.clean.max_words``); None when unknown."""
+    d = cfg.data
+    return d.synthetic.max_words if d.corpus == "synthetic" else d.clean.max_words
 
 
 @dataclass
