@@ -467,7 +467,7 @@ class BucketTests:
 
 
 @dataclass
-class Row:
+class MethodRow:
     """A method on one test set for one group (a setting's seeds, or one checkpoint)."""
 
     test_set: str
@@ -482,7 +482,7 @@ class Outcome:
     """What the report is written from."""
 
     plan: Plan
-    rows: list[Row]
+    rows: list[MethodRow]
     cap: int | None  # the longest training source sentence in words, when the corpus bounds it
     decoded: int = 0
     kept: int = 0
@@ -498,7 +498,7 @@ class Outcome:
         return sorted(names, key=bucket_order)
 
 
-def score(plan: Plan, say: Print = print) -> list[Row]:
+def score(plan: Plan) -> list[MethodRow]:
     """Every row's bucket tests from the kept cells (no decoding)."""
     kept: dict[tuple[str, str, str], tuple[list[str], list[str], dict[str, Any]]] = {}
     for cell in plan.cells:
@@ -507,7 +507,7 @@ def score(plan: Plan, say: Print = print) -> list[Row]:
         if pair is None or figures is None or not cell.done():
             raise StudyError(f"cell {cell.directory} is not decoded; run the same command without --dry-run")
         kept[cell.checkpoint.label, cell.method.name, cell.test_set.name] = (*pair, figures)
-    rows: list[Row] = []
+    rows: list[MethodRow] = []
     order = [(c.test_set.name, c.checkpoint.group, c.method) for c in plan.cells]
     for test_name, group, method in sorted(dict.fromkeys(order), key=lambda k: _row_order(plan, *k)):
         members = [
@@ -546,7 +546,7 @@ def score(plan: Plan, say: Print = print) -> list[Row]:
             sentences = sum(len(r) for _, _, r, _ in split[bucket].values())
             lost_n = sum(n for *_, n in split[bucket].values())
             buckets[bucket] = BucketTests(sentences, lost_n, per, pooled)
-        rows.append(Row(test_name, group, method, [c.label for c in members], buckets))
+        rows.append(MethodRow(test_name, group, method, [c.label for c in members], buckets))
     return rows
 
 
