@@ -251,5 +251,6 @@ def extrapolation_figure(outcome: Outcome, group: str) -> Figure:
             ax = axes[line][column]
             length_axes(ax, buckets, outcome.cap, series, label, legend=(line, column) == (0, 0))
             ax.set_title(f"{test_set}: {label}", fontsize=10)
-    fig.suptitle(f"{group}: score against source length per method (± bootstrap 95% half-width)")
+    shaded = f"; shaded: longer than training (> {outcome.cap} words)" if outcome.cap is not None else ""
+    fig.suptitle(f"{group}: score against source length per method (± bootstrap 95% half-width{shaded})")
     return fig
