@@ -106,6 +106,13 @@ def check_gpu_check(out: Path, stdout: str) -> None:
     assert stdout.count("PASS dry run") == 5 and "all passed" in stdout
 
 
+def check_export(out: Path, stdout: str) -> None:
+    figures = json.loads(out.read_text())
+    assert [r["name"] for r in figures["rows"]] == ["tpe-translate", "hf-generate", "ct2-float32", "ct2-int8"]
+    assert figures["lines"] == 20 and all(r["sentences_per_s"] > 0 for r in figures["rows"])
+    assert "| engine | s/pass | sentences/s |" in stdout
+
+
 Check = Callable[[Path, str], None]
 #: script -> (its small mode's arguments, OUT standing for a fresh path; the check of what it wrote)
 SMOKE: dict[str, tuple[list[str], Check]] = {
@@ -119,6 +126,7 @@ SMOKE: dict[str, tuple[list[str], Check]] = {
     "bench_parallel.py": (["--smoke", "--json", "OUT"], check_parallel),
     "gpu_attention.py": (["OUT", "--dry-run"], check_gpu_attention),
     "gpu_check.py": (["OUT", "--dry-run"], check_gpu_check),
+    "bench_export.py": (["--smoke", "--threads", "1", "--json", "OUT"], check_export),
 }
 
 
