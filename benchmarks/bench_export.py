@@ -70,7 +70,7 @@ from harness import (
 
 from tpe_train.ckpt.export import WEIGHTS, load_export, save_export
 from tpe_train.data.batching import EOS_ID
-from tpe_train.data.tokenizer import train_tokenizer
+from tpe_train.data.tokenizer import PAD, train_tokenizer
 from tpe_train.evaluation.decoding import DecodeOptions, decode_sentences, read_lines, token_batches
 from tpe_train.evaluation.metrics import bleu, paired_bootstrap
 
@@ -172,8 +172,7 @@ def hf_translator(directory: Path, options: DecodeOptions) -> Callable[[list[str
 def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     import ctranslate2
 
-    from tpe_train.ckpt.ct2 import limits
-    from tpe_train.ckpt.ct2 import translate as ct2_translate
+    from tpe_train.ckpt.ct2 import best_pieces, detokenize, limits
 
     torch.set_num_threads(args.threads)
     if args.smoke and args.checkpoint == DEFAULT_CHECKPOINT:
@@ -226,6 +225,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         return [t.text or "" for t in found]
 
     rows.append(keep("tpe-translate", ours))
+    pads: dict[str, int] = {}  # CTranslate2's best hypotheses holding <pad>
     hf_dir = tmp / "hf"
     seconds, why = cli_export(args.checkpoint, hf_dir, "hf")
     if why:
@@ -249,10 +249,12 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             str(directory), device="cpu", inter_threads=1, intra_threads=args.threads
         )
 
-        def ct2(tr: Any = translator) -> list[str]:
+        def ct2(tr: Any = translator, name: str = f"ct2-{q}") -> list[str]:
             o = options
-            return ct2_translate(tr, tok, sources, o.beam, o.alpha, o.max_len_a, o.max_len_b, o.max_tokens,
-                                 model.max_target_length())  # fmt: skip
+            best = best_pieces(tr, tok, sources, o.beam, o.alpha, o.max_len_a, o.max_len_b, o.max_tokens,
+                               model.max_target_length())  # fmt: skip
+            pads[name] = sum(PAD in hyp for hyp in best)  # a piece ours never continues with
+            return detokenize(tok, best)
 
         rows.append(keep(f"ct2-{q}", ct2))
     interleave(rows, 1, args.repeats, torch.device("cpu"), "export", collect="never", cpu_time=True)
@@ -280,6 +282,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "all_seconds": row.times,
             **exports[row.name],
         }
+        if row.name in pads:
+            entry["hypotheses_with_pad"] = pads[row.name]
         if row.name != "tpe-translate":
             entry["paired_vs_tpe"] = paired_bootstrap(hyps, base, refs).as_dict()["bleu"]
         results.append(entry)
@@ -298,6 +302,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         p = r["paired_vs_tpe"]
         print(f"{r['name']}: BLEU {p['delta']:+.2f} vs tpe-translate, paired bootstrap p {p['p_value']:.3f}")
     print(f"every row's passes gave the same output: {all(r['passes_agree'] for r in results)}")
+    print(f"CTranslate2 best hypotheses holding <pad>: {pads}")
     for name, info in exports.items():
         if "missing" in info:
             print(f"{name}: not measured ({info['missing']})")

@@ -14,7 +14,15 @@ import torch
 from support.models import KINDS, tiny_model
 from tokenizers import Tokenizer
 
-from tpe_train.ckpt.ct2 import TABLE_POSITIONS, alibi_as_t5, export_ctranslate2, pieces, translate
+from tpe_train.ckpt.ct2 import (
+    TABLE_POSITIONS,
+    alibi_as_t5,
+    best_pieces,
+    detokenize,
+    export_ctranslate2,
+    pieces,
+    translate,
+)
 from tpe_train.ckpt.export import build_model, load_export, save_export
 from tpe_train.config import Config, load_config
 from tpe_train.data.batching import pad
@@ -133,13 +141,14 @@ def test_greedy_and_beam_outputs_equal_ours(
 
     beam = DecodeOptions(4, 0.6, 1.0, 50, 6000, 128)
     found = decode_sentences(model, tok, src, beam)
-    theirs = translate(translator, tok, src, beam=4, alpha=0.6, max_target_positions=cap)
+    best = best_pieces(translator, tok, src, beam=4, alpha=0.6, max_target_positions=cap)
+    theirs = detokenize(tok, best)
     limit = [min(t.source_tokens + 1 + 50, cap or 10**9) - 1 for t in found]  # tokens before a forced EOS
     ended = [i for i, t in enumerate(found) if t.output_tokens < limit[i]]
     assert len(ended) >= 35, f"{kind}: only {len(ended)} of {TEST} hypotheses ended before the length limit"
     assert [theirs[i] for i in ended] == [found[i].text for i in ended]
     assert len({found[i].text for i in ended}) >= 3  # not one degenerate output for every sentence
-    assert not any("<pad>" in t for t in theirs)
+    assert not any("<pad>" in hyp for hyp in best)
 
 
 def test_an_export_read_back_exports_and_writes_its_files(

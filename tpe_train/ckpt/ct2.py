@@ -19,8 +19,8 @@ Position encodings, per stack (the encoder's and the decoder's self-attention; C
 position term in cross-attention, so ``model.position.cross`` other than none is refused):
 
 - ``sinusoidal``: an explicit table of ``TABLE_POSITIONS`` rows computed by our own function (ours
-  interleaves sin and cos, CTranslate2's built-in sinusoid puts them in halves), so the values are ours
-  bit for bit. ``none``: a table of zeros (without a table CTranslate2 would add its own sinusoid).
+  interleaves sin and cos, CTranslate2's built-in sinusoid puts them in halves), so the table holds
+  our values. ``none``: a table of zeros (without a table CTranslate2 would add its own sinusoid).
   ``learned``: our table (``model.position.max_positions`` rows).
 - ``shaw``: CTranslate2's relative position keys (the per-layer (2k + 1, head_dim) table, clip k from
   its size, distance key minus query, the term scaled like the logits) and values (zeros without
@@ -46,7 +46,7 @@ table); shaw, t5, rope and the decoder's ALiBi are unbounded.
 
 - Greedy: CTranslate2's greedy search, ``min_decoding_length`` 0 (EOS allowed first, as ours), one
   call up to the longest sentence's limit, each hypothesis then cut to its own sentence's limit (greedy
-  search is prefix-consistent): ours exactly.
+  search is prefix-consistent): the search of ours.
 - Beam: CTranslate2's beam search expands as ours (2 x beam candidates, EOS taken only among the first
   beam, a sentence done with beam finished hypotheses). Its length penalty divides log p by
   length^alpha, ours by ((5 + length) / 6)^alpha (GNMT), length counting EOS: CTranslate2 is asked for
@@ -55,8 +55,8 @@ table); shaw, t5, rope and the decoder's ALiBi are unbounded.
   earlier ones and the best of that step by log p, CTranslate2 the best by its normalised score.
 - ``<pad>``: ours masks it in beam search after the softmax. CTranslate2 is not asked to suppress it
   (it would remove it before the softmax and so shift every log-probability), so it could continue a
-  hypothesis with ``<pad>`` where ours cannot; a trained model gives it no mass (its embedding row,
-  which is its output row, stays zero).
+  hypothesis with ``<pad>`` where ours cannot. Its output row is the padding embedding, zero, so its
+  logit is 0, far below a trained model's best tokens; ``best_pieces`` shows whether it happened.
 - Length: ours limits each sentence to max_len_a x (its source tokens + EOS) + max_len_b decoder steps
   and forces EOS at the last; CTranslate2's beam search takes one limit per call (the longest
   sentence's) and ends every hypothesis still open there without EOS: beam search can differ on
@@ -329,8 +329,25 @@ def translate(
     where the two can differ. ``max_target_positions``: the decoder's table
     (``model.max_target_length()``), which caps the steps as ours does. Empty lines translate to empty
     lines."""
+    best = best_pieces(translator, tok, sentences, beam, alpha, max_len_a, max_len_b, max_tokens,
+                       max_target_positions)  # fmt: skip
+    return detokenize(tok, best)
+
+
+def best_pieces(
+    translator: Any,
+    tok: Tokenizer,
+    sentences: list[str],
+    beam: int = 4,
+    alpha: float = 0.6,
+    max_len_a: float = 1.0,
+    max_len_b: int = 50,
+    max_tokens: int = 6000,
+    max_target_positions: int | None = None,
+) -> list[list[str]]:
+    """The best hypothesis of each sentence as CTranslate2's pieces, without EOS (``translate``)."""
     todo = [i for i, s in enumerate(sentences) if s.strip()]
-    out = [""] * len(sentences)
+    out: list[list[str]] = [[] for _ in sentences]
     if not todo:
         return out
     src = pieces(tok, [sentences[i] for i in todo])
@@ -343,7 +360,7 @@ def translate(
     }
     if beam == 1:
         # Greedy is prefix-consistent: one call up to the longest limit, then each hypothesis cut to
-        # its own limit - 1 tokens (ours then emits EOS) is ours exactly.
+        # its own limit - 1 tokens (ours then emits EOS) is the search of ours.
         results = translator.translate_batch(src, beam_size=1, max_decoding_length=max(steps) - 1, **common)
         best = [r.hypotheses[0][: n - 1] for r, n in zip(results, steps, strict=True)]
     else:
@@ -359,8 +376,8 @@ def translate(
             **common,
         )
         best = [rerank(r.hypotheses, r.scores, penalty, alpha) for r in results]
-    for i, text in zip(todo, detokenize(tok, best), strict=True):
-        out[i] = text
+    for i, hyp in zip(todo, best, strict=True):
+        out[i] = hyp
     return out
 
 
