@@ -24,6 +24,7 @@ from tpe_train.ckpt.ct2 import (
     translate,
 )
 from tpe_train.ckpt.export import build_model, load_export, save_export
+from tpe_train.ckpt.store import CheckpointError
 from tpe_train.config import Config, load_config
 from tpe_train.data.batching import pad
 from tpe_train.data.synthetic import generate
@@ -200,12 +201,14 @@ def test_what_cannot_be_written_is_refused_with_the_reason(
     vocab = tok.get_vocab_size()
     cross = tiny_model("none", vocab_size=vocab, cross_position="rope")
     with pytest.raises(
-        ValueError, match=r"cross=rope cannot be exported to CTranslate2: its encoder-decoder"
+        CheckpointError, match=r"cross=rope cannot be exported to CTranslate2: its encoder-decoder"
     ):
         export_ctranslate2(cross, cfg, tok, tmp_path / "a", "float32")
     model = tiny_model("sinusoidal", vocab_size=vocab)
-    with pytest.raises(ValueError, match=r"quantization 'int4' .* choose one of float32, int8, int8_float16"):
+    with pytest.raises(
+        CheckpointError, match=r"quantization 'int4' .* choose one of float32, int8, int8_float16"
+    ):
         export_ctranslate2(model, cfg, tok, tmp_path / "b", "int4")
-    with pytest.raises(ValueError, match=r"tokenizer has \d+ tokens but the model's embedding 40 rows"):
+    with pytest.raises(CheckpointError, match=r"tokenizer has \d+ tokens but the model's embedding 40 rows"):
         export_ctranslate2(tiny_model("sinusoidal"), cfg, tok, tmp_path / "c", "float32")
     assert not any(tmp_path.iterdir())  # refused before anything was written

@@ -75,6 +75,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
+from tpe_train.ckpt.store import CheckpointError
 from tpe_train.config import Config
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.data.tokenizer import BOS, EOS, PAD, UNK
@@ -103,40 +104,42 @@ README = "README.md"
 
 
 def check_exportable(model: Transformer, tok: Tokenizer, quantization: str) -> None:
-    """Raise a ``ValueError`` naming the reason when the model cannot be written exactly (before any
-    work): a cross-attention encoding, a vocabulary the model was not built over, an unknown
-    quantization."""
+    """Raise a ``CheckpointError`` (what ``tpe-ckpt`` reports) naming the reason when the model cannot
+    be written exactly, before any work: a cross-attention encoding, a vocabulary the model was not
+    built over, an unknown quantization."""
     if quantization not in QUANTIZATIONS:
-        raise ValueError(
+        raise CheckpointError(
             f"quantization {quantization!r} is not one CTranslate2 export writes; choose one of "
             f"{', '.join(QUANTIZATIONS)}"
         )
     a = model.args
     if a.cross_position != "none":
-        raise ValueError(
+        raise CheckpointError(
             f"model.position.cross={a.cross_position} cannot be exported to CTranslate2: its "
             "encoder-decoder attention takes no position term (only self-attention has relative "
             "keys, biases, rotary embeddings or ALiBi); only models with cross=none export"
         )
     for side, kind in (("encoder", a.encoder_position), ("decoder", a.decoder_position)):
         if kind not in REPRESENTED:
-            raise ValueError(
+            raise CheckpointError(
                 f"the {side}'s position encoding {kind!r} has no CTranslate2 form here; exportable: "
                 f"{', '.join(REPRESENTED)}"
             )
     if tok.get_vocab_size() != a.vocab_size:
-        raise ValueError(
+        raise CheckpointError(
             f"the tokenizer has {tok.get_vocab_size()} tokens but the model's embedding {a.vocab_size} "
             "rows; export with the checkpoint's own tokenizer.json"
         )
     for name, i in ((PAD, PAD_ID), (BOS, BOS_ID), (EOS, EOS_ID)):
         if tok.token_to_id(name) != i:
-            raise ValueError(
+            raise CheckpointError(
                 f"the tokenizer's {name} is not id {i}; export with the checkpoint's own tokenizer"
             )
     eps = {m.eps for m in model.modules() if isinstance(m, nn.LayerNorm)}
     if len(eps) != 1:
-        raise ValueError(f"the model's LayerNorms use several epsilons {sorted(eps)}; CTranslate2 takes one")
+        raise CheckpointError(
+            f"the model's LayerNorms use several epsilons {sorted(eps)}; CTranslate2 takes one"
+        )
 
 
 def export_ctranslate2(model: Transformer, cfg: Config, tok: Tokenizer, out: Path, quantization: str) -> Path:
