@@ -18,7 +18,7 @@ Backends (``model.attention``; ``choose_backend`` resolves ``auto`` per call):
   and float masks take SDPA's formula written out, which measured faster there (``_sdpa``).
 - ``explicit``: scores, softmax and the weighted sum written out, with the dense mask: the reference,
   and the one path for encodings that need the weights themselves (Shaw's relative values), whatever
-  backend was asked for.
+  backend was asked for, and for a call whose weights a diagnostic asks for (``Attention.probe``).
 - ``auto``: see ``choose_backend``.
 
 ``gpu_route()`` makes the CPU take the GPU's calls (``F.scaled_dot_product_attention``), so that CPU
@@ -290,6 +290,9 @@ class Attention(nn.Module):
         # q, k, v (cross-attention: k, v) as one product (kernels.linears); off where each projection's
         # weight exists only while its own forward runs (ZeRO-3: Engine turns it off)
         self.fuse_projections = True
+        # diagnostics (model/diagnostics.py): when set, calls take the explicit backend and hand it
+        # their attention probabilities (B, H, Lq, Lk) with the query and key positions
+        self.probe: Callable[[Tensor, Tensor, Tensor], None] | None = None
 
     def _split(self, x: Tensor) -> Tensor:
         b, length, _ = x.shape
@@ -352,7 +355,7 @@ class Attention(nn.Module):
             repeat = group
         causal = mask.causal and q.shape[2] > 1
         p = self.dropout if self.training else 0.0
-        backend = self.resolved(pos, q.device)
+        backend = self.resolved(pos, q.device) if self.probe is None else "explicit"
         if backend == "flex":
             if p > 0:
                 raise RuntimeError(
@@ -401,6 +404,8 @@ class Attention(nn.Module):
         """Attention with explicit weights (the reference; also for encodings whose value term
         needs the weights)."""
         weights = _weights(q, k, mask, p, is_causal=False)
+        if self.probe is not None:
+            self.probe(weights, q_pos, k_pos)
         out = torch.matmul(weights, v)
         if pos.needs_weights:
             out = out + pos.value_term(weights, q_pos, k_pos)
