@@ -333,6 +333,10 @@ class TrainConfig(Section):
     """Steps between validations (loss and greedy BLEU); also done at the end."""
     valid_bleu_size: int = Field(200, ge=0)
     """Validation sentences translated (greedy) for BLEU during training; 0: skip."""
+    diagnostics_every: int = Field(100, ge=0)
+    """Steps between position diagnostics in TensorBoard, also done at the last step (0: none): per layer
+    and head of encoder and decoder self-attention the mean attention distance on the first 64
+    validation pairs, and a learned table's row similarity as an image (docs/positions.md)."""
     progress: bool = True
     """Show a progress bar when stderr is a terminal; otherwise, or when false, rank 0 prints a line of
     figures (loss, lr, tokens/s, MFU) every log_every steps on stdout. Validation lines are always printed."""

@@ -14,16 +14,18 @@ from tpe_train.config import TrainConfig
 
 @dataclass(frozen=True)
 class Cadence:
-    """The ``train`` section's intervals (``save_every`` 0: only at the end and when asked)."""
+    """The ``train`` section's intervals (``save_every`` 0: only at the end and when asked;
+    ``diagnostics_every`` 0: never)."""
 
     max_steps: int
     log_every: int
     valid_every: int
     save_every: int
+    diagnostics_every: int = 0  # 0: never
 
     @classmethod
     def of(cls, cfg: TrainConfig) -> Cadence:
-        return cls(cfg.max_steps, cfg.log_every, cfg.valid_every, cfg.save_every)
+        return cls(cfg.max_steps, cfg.log_every, cfg.valid_every, cfg.save_every, cfg.diagnostics_every)
 
     def last(self, step: int) -> bool:
         return step == self.max_steps
@@ -33,6 +35,10 @@ class Cadence:
 
     def should_validate(self, step: int) -> bool:
         return step % self.valid_every == 0 or self.last(step)
+
+    def should_diagnose(self, step: int) -> bool:
+        """Position diagnostics (``train.diagnostics_every``; 0: never, not even at the end)."""
+        return self.diagnostics_every > 0 and (step % self.diagnostics_every == 0 or self.last(step))
 
     def should_save(self, step: int, *, stopping: bool = False, new_best: bool = False) -> bool:
         """``stopping``: preempted or stopped early; ``new_best``: the best validation to keep."""

@@ -3,7 +3,8 @@
 config + launch layout -> data (corpus, joint BPE, token batches of this rank) -> model (position tables
 sharded for tensor parallelism) -> AdamW + inverse-sqrt schedule -> engine (one process, DDP or
 DeepSpeed) -> resume from the latest complete checkpoint -> loop (forward, label-smoothed CE, backward,
-clip, step, log, validate, checkpoint; a preemption signal saves and exits) -> export -> evaluate.
+clip, step, log, position diagnostics, validate, checkpoint; a preemption signal saves and exits) ->
+export -> evaluate.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from tpe_train.run import lock as run_lock
 from tpe_train.run.exits import EXIT_PREEMPTED
 from tpe_train.train import batch_size, selection
 from tpe_train.train.cadence import Cadence
+from tpe_train.train.diagnostics import TrainingDiagnostics
 from tpe_train.train.scalars import log_line, write_scalars
 from tpe_train.train.step import inverse_sqrt, seed_everything, train_step, validate
 from tpe_train.train.throughput import Throughput, configure_cpu
@@ -181,6 +183,7 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
     bar = tqdm(total=cfg.train.max_steps, initial=progress.step, disable=not show, dynamic_ncols=True)
     cadence = Cadence.of(cfg.train)
     meter = Throughput.of_run(cfg, data.tokenizer.get_vocab_size(), ctx)  # tokens/s, MFU
+    diagnostics = TrainingDiagnostics.of_run(cfg, data, ctx)  # a fixed validation batch; None: off
     stop = selection.exhausted(progress.best, cfg.train.patience)  # a resumed run that stopped early
     for step in range(progress.step + 1, cfg.train.max_steps + 1):
         if stop:
@@ -205,6 +208,8 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
             bar.set_postfix(loss=f"{scalars['train/loss']:.3f}", lr=f"{scalars['train/lr']:.2e}")
             if lines:
                 print(log_line(step, cfg.train.max_steps, scalars), flush=True)
+        if diagnostics is not None and cadence.should_diagnose(step):
+            diagnostics.write(engine, writer, ctx, step, cast)  # attention distances, position tables
         save_best = False  # eval.select=best: the best validation's checkpoint is saved at once
         if cadence.should_validate(step):
             figures = validate(engine, data, cfg, ctx, cast)
