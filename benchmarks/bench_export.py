@@ -263,7 +263,8 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     base = outputs["tpe-translate"][-1]
     steps = limits([len(e.ids) for e in tok.encode_batch(sources, add_special_tokens=False)],
                    options.max_len_a, options.max_len_b, model.max_target_length())  # fmt: skip
-    at_limit = sum(n >= s - 1 for n, s in zip(ends, steps, strict=True))  # EOS forced: s - 1 tokens
+    limited = {i for i, (n, s) in enumerate(zip(ends, steps, strict=True)) if n >= s - 1}  # EOS forced
+    at_limit = len(limited)
     results = []
     base_s = statistics.median(rows[0].times)
     for row in rows:
@@ -278,6 +279,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             "speedup_vs_tpe": base_s / median,
             "bleu": score,
             "identical_to_tpe": sum(a == b for a, b in zip(hyps, base, strict=True)),
+            "different_at_tpe_limit": sum(hyps[i] != base[i] for i in limited),
             "passes_agree": all(o == hyps for o in outputs[row.name]),
             "all_seconds": row.times,
             **exports[row.name],
@@ -303,6 +305,9 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         print(f"{r['name']}: BLEU {p['delta']:+.2f} vs tpe-translate, paired bootstrap p {p['p_value']:.3f}")
     print(f"every row's passes gave the same output: {all(r['passes_agree'] for r in results)}")
     print(f"CTranslate2 best hypotheses holding <pad>: {pads}")
+    for r in results[1:]:
+        n, at = len(sources) - r["identical_to_tpe"], r["different_at_tpe_limit"]
+        print(f"{r['name']}: {n} sentences differ from tpe-translate's, {at} of them at its length limit")
     for name, info in exports.items():
         if "missing" in info:
             print(f"{name}: not measured ({info['missing']})")
