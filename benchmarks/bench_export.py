@@ -13,30 +13,30 @@ What is measured
 ----------------
 ``--checkpoint``: an export directory (``load_export``: model.safetensors, config.yaml, tokenizer.json);
 ``--data``: the folder of ``test_2016_flickr.{en,de}`` (default ``../shared/data/multi30k`` from the
-repository root). The exports are written here first, into a temporary directory (their time and size
-are reported): ``tpe-ckpt export --format hf`` and ``--format ctranslate2 --quantization
-float32|int8`` (``tpe_train.ckpt.cli``, in process). Decoding settings: the checkpoint's ``eval`` section
-(beam 4, GNMT length penalty alpha 0.6, at most source + 50 tokens, batches of ``max_tokens`` source
-tokens), or ``--beam``.
+repository root), or ``checkpoint``: the test set of the checkpoint's own config (the embedded corpus's
+1,000 test pairs for a model of the demo). The exports are written first, into a temporary directory
+(their time and size are reported), by ``tpe-ckpt export --format hf`` and ``--format ctranslate2
+--quantization float32|int8`` (``tpe_train.ckpt.cli``, in process). Decoding settings: the checkpoint's
+``eval`` section (beam 4, GNMT length penalty alpha 0.6, at most source + EOS + 50 tokens, batches of
+``max_tokens`` padded source tokens), or ``--beam``.
 
 Rows, each a pass over the whole test set from text to text, tokenisation and detokenisation included:
 
-- ``tpe-translate``: ``translate_stream``, what the command runs after loading the export.
-- ``hf-generate``: the HF export through ``AutoTokenizer`` and ``AutoModelForSeq2SeqLM``; ``generate``
-  with the settings ``peers.generation_config`` matches to ours (beam, ``length_penalty`` alpha, no early
-  stopping, ``<pad>`` suppressed) on the same length-sorted batches, max new tokens = the batch's
-  longest source + EOS + 50. Hugging Face's beam search and length normalisation are its own, so some
-  sentences differ (counted).
+- ``tpe-translate``: ``decode_sentences``, what the command runs on the lines it reads.
+- ``hf-generate``: the HF export loaded by ``AutoTokenizer`` and ``AutoModelForSeq2SeqLM``, decoded by
+  ``tpe_train.ckpt.hf.generate`` on tpe-translate's length-sorted batches: ``generate`` with the beam,
+  ``length_penalty`` alpha (divided by length^alpha, not GNMT's ((5 + length) / 6)^alpha) and
+  tpe-translate's per-sentence length cap (``LengthCap``).
 - ``ct2-float32``, ``ct2-int8``: ``tpe_train.ckpt.ct2.translate`` on a ``ctranslate2.Translator``
   (``intra_threads`` = ``--threads``, one translation at a time): CTranslate2's greedy or beam search,
-  its finished hypotheses re-ranked by our length penalty (see that module for what can differ).
+  its finished hypotheses re-ranked by the GNMT penalty (see that module for what can differ).
 
 Timing: every row is warmed up with one untimed pass, then ``--repeats`` rounds of one timed pass per
 row, the row order rotated each round (``harness.interleave``); reported: median seconds per pass,
 sentences/s, and the ratio to ``tpe-translate`` of the same run. Quality: sacreBLEU (default 13a) of each
-row's output against ``test_2016_flickr.de``; sentences identical to ``tpe-translate``'s output; a
-paired bootstrap (1,000 resamples, sacreBLEU's seed) of each row against ``tpe-translate``. Every pass
-of a row must give the same output (checked).
+row's output against the references; sentences identical to ``tpe-translate``'s output, and how many of
+the others reached tpe-translate's length limit; a paired bootstrap (1,000 resamples, sacreBLEU's seed)
+of each row against ``tpe-translate``. Every pass of a row must give the same output (checked).
 """
 
 from __future__ import annotations
@@ -70,6 +70,7 @@ from harness import (
 
 from tpe_train.ckpt.export import WEIGHTS, load_export, save_export
 from tpe_train.data.batching import EOS_ID
+from tpe_train.data.corpus import test_splits
 from tpe_train.data.tokenizer import PAD, train_tokenizer
 from tpe_train.evaluation.decoding import DecodeOptions, decode_sentences, read_lines, token_batches
 from tpe_train.evaluation.metrics import bleu, paired_bootstrap
@@ -86,7 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--checkpoint", type=Path, default=DEFAULT_CHECKPOINT, help="an export (default: %(default)s)"
     )
-    p.add_argument("--data", type=Path, default=DEFAULT_DATA, help="folder of test_2016_flickr.{en,de}")
+    p.add_argument(
+        "--data", type=Path, default=DEFAULT_DATA, help="test_2016_flickr.{en,de}'s folder, or checkpoint"
+    )
     p.add_argument("--lines", type=int, default=0, help="only the first N lines (0: all)")
     p.add_argument("--repeats", type=int, default=3, help="timed passes per row (median reported)")
     p.add_argument("--beam", type=int, default=0, help="beam size (0: the checkpoint's eval.beam)")
@@ -106,6 +109,17 @@ def revision() -> str:
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+dirty" if dirty else "")
+
+
+def cpu_model() -> str:
+    """The processor's model name (/proc/cpuinfo), else what ``platform`` knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def smoke_checkpoint(directory: Path) -> tuple[Path, Path]:
@@ -177,12 +191,17 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
     torch.set_num_threads(args.threads)
     if args.smoke and args.checkpoint == DEFAULT_CHECKPOINT:
         args.checkpoint, args.data = smoke_checkpoint(tmp)
-    for path in (args.checkpoint, args.data / f"{TEST}.en", args.data / f"{TEST}.de"):
+    own = str(args.data) == "checkpoint"
+    files = [] if own else [args.data / f"{TEST}.en", args.data / f"{TEST}.de"]
+    for path in (args.checkpoint, *files):
         if not path.exists():
             sys.exit(f"bench_export: {path} not found; pass --checkpoint EXPORT_DIR and --data MULTI30K_DIR")
     model, cfg, tok = load_export(args.checkpoint)
-    sources = read_lines(args.data / f"{TEST}.en")
-    refs = read_lines(args.data / f"{TEST}.de")
+    if own:
+        test = test_splits(cfg.data).test
+        sources, refs = [src for src, _ in test], [tgt for _, tgt in test]
+    else:
+        sources, refs = read_lines(files[0]), read_lines(files[1])
     if args.lines:
         sources, refs = sources[: args.lines], refs[: args.lines]
     options = DecodeOptions.of(cfg.eval, **({"beam": args.beam} if args.beam else {}))
@@ -193,7 +212,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
         "command": " ".join(["python", "benchmarks/bench_export.py", *sys.argv[1:]]),
         "revision": revision(),
         "date": started,
-        "machine": f"{platform.processor() or platform.machine()}, {env['cpus']} CPUs visible",
+        "machine": f"{cpu_model()}, {env['cpus']} CPUs visible",
         "note": "the machine may be shared with other work while this runs: compare the ratios within "
         "this run, not absolute figures across runs (load averages at start and end are recorded)",
         "checkpoint": str(args.checkpoint),
