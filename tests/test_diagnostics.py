@@ -153,7 +153,7 @@ def test_training_writes_the_diagnostics_at_its_interval_and_tpe_eval_measures_t
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from tpe_train.ckpt.export import load_export
-    from tpe_train.evaluation.diagnostics import report_diagnostics
+    from tpe_train.evaluation.diagnostics import diagnostic_batch, report_diagnostics
     from tpe_train.evaluation.evaluate import corpus_sets
     from tpe_train.train.loop import run
 
@@ -196,6 +196,8 @@ def test_training_writes_the_diagnostics_at_its_interval_and_tpe_eval_measures_t
         sim = written["position_similarity"][side]
         assert sim["rows"] == 48 and abs(sim["by_offset"][0] - 1.0) < 1e-9  # a row is itself
         assert (tmp_path / "eval" / f"position-similarity-{side}.png").exists()
+    with pytest.raises(ValueError, match=r"none of the \d+ pairs given fits data.max_len=2 tokens"):
+        diagnostic_batch(tok, valid.pairs, 2)  # bad input: a clear error, before any forward
     table = printed.getvalue().splitlines()
     assert table[0] == "mean attention distance (positions), self-attention, 64 pairs"
     assert table[1].split() == ["side", "layer", "head", "0", "head", "1", "head", "2", "head", "3", "mean"]

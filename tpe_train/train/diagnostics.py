@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
 
-from tpe_train.config import Config
+from tpe_train.config import Config, ConfigError
 from tpe_train.data.corpus import Prepared, pairs_of
 from tpe_train.evaluation.diagnostics import (
     DIAGNOSTIC_PAIRS,
@@ -45,7 +45,10 @@ class TrainingDiagnostics:
         if not cfg.train.diagnostics_every:
             return None
         pairs = pairs_of(data.splits.valid, 16 * DIAGNOSTIC_PAIRS)
-        src, tgt_in = diagnostic_batch(data.tokenizer, pairs, cfg.data.max_len)
+        try:
+            src, tgt_in = diagnostic_batch(data.tokenizer, pairs, cfg.data.max_len)
+        except ValueError as err:  # before the first step; reported by tpe-train without a traceback
+            raise ConfigError(f"{err}; or train without them: train.diagnostics_every=0") from None
         return cls(src, tgt_in, cfg.data.max_len, ctx.heads(cfg.model.n_heads))
 
     def write(
