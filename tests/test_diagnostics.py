@@ -150,10 +150,11 @@ def test_the_interval_is_a_validated_key_and_the_last_step_is_measured() -> None
 
 @pytest.mark.slow
 def test_training_writes_the_diagnostics_at_its_interval_and_tpe_eval_measures_the_same(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from tpe_train.ckpt.export import load_export
-    from tpe_train.evaluation.diagnostics import diagnostic_batch, report_diagnostics
+    from tpe_train.evaluation.cli import eval_main
+    from tpe_train.evaluation.diagnostics import diagnostic_batch
     from tpe_train.evaluation.evaluate import corpus_sets
     from tpe_train.train.loop import run
 
@@ -182,10 +183,13 @@ def test_training_writes_the_diagnostics_at_its_interval_and_tpe_eval_measures_t
 
     # tpe-eval --diagnostics on the export of the last step and the validation split: the same batch,
     # so the same figures as the last step's scalars (TensorBoard stores float32)
-    model, cfg, tok = load_export(run_dir / "checkpoint")
+    _, cfg, tok = load_export(run_dir / "checkpoint")
     valid = corpus_sets(cfg.data, [cfg.data.valid_split])[0]
-    printed = io.StringIO()
-    report_diagnostics(model, tok, cfg.data.max_len, valid.pairs, tmp_path / "eval", file=printed)
+    argv = ["--checkpoint", str(run_dir / "checkpoint"), "--split", cfg.data.valid_split, "--beam", "1"]
+    assert eval_main([*argv, "--diagnostics", "--out", str(tmp_path / "eval"), "--json"]) == 0
+    printed = io.StringIO(capsys.readouterr().err)  # --json: the figures on stdout, the table on stderr
+    assert eval_main([*argv, "--checkpoint", str(run_dir / "checkpoint"), "--diagnostics"]) == 2
+    assert "give one --checkpoint" in capsys.readouterr().err  # an ensemble has no one attention map
     written = json.loads((tmp_path / "eval" / "diagnostics.json").read_text())
     assert written["pairs"] == 64 and written["heads"] == [0, 1, 2, 3]
     for side, short in (("encoder", "enc"), ("decoder", "dec")):

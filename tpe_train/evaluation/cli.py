@@ -22,6 +22,7 @@ from tpe_train.config import ConfigError, DataConfig
 from tpe_train.evaluation import evaluate as evaluate_module
 from tpe_train.evaluation import translate as translate_module
 from tpe_train.evaluation.decoding import DecodeOptions, InputError, device_from_arg, utf8_lines
+from tpe_train.evaluation.diagnostics import add_diagnostics_option, report_diagnostics
 from tpe_train.evaluation.ensemble import load_models
 from tpe_train.evaluation.evaluate import (
     EvalFiles,
@@ -102,6 +103,7 @@ def eval_args(argv: list[str] | None) -> argparse.Namespace:
         "named SET+xN): long inputs from real text, at N times the set's lengths",
     )
     add_model_options(parser)
+    add_diagnostics_option(parser)
     return parser.parse_args(argv)
 
 
@@ -151,6 +153,11 @@ def eval_main(argv: list[str] | None = None) -> int:
         model, cfg, tok = loaded.model, loaded.cfg, loaded.tok
         other = load_export(args.compare) if args.compare else None
         sets = _sets(args, cfg.data)  # every file is read before any decoding
+        if args.diagnostics and loaded.is_ensemble:
+            raise ValueError("--diagnostics measures one model's attention; give one --checkpoint")
+        if args.diagnostics:
+            report = sys.stderr if args.json else None  # --json keeps stdout for the figures
+            report_diagnostics(model.to(device), tok, cfg.data.max_len, sets[0].pairs, args.out, report)
     except (FileNotFoundError, ValueError, ConfigError) as err:  # CorpusError, InputError included
         print(f"tpe-eval: {err}", file=sys.stderr)
         return 2
