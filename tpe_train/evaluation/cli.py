@@ -37,6 +37,7 @@ from tpe_train.evaluation.evaluate import (
     format_evaluation,
 )
 from tpe_train.evaluation.translate import translate_stream
+from tpe_train.model.transformer import Transformer
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -153,9 +154,9 @@ def eval_main(argv: list[str] | None = None) -> int:
         model, cfg, tok = loaded.model, loaded.cfg, loaded.tok
         other = load_export(args.compare) if args.compare else None
         sets = _sets(args, cfg.data)  # every file is read before any decoding
-        if args.diagnostics and loaded.is_ensemble:
-            raise ValueError("--diagnostics measures one model's attention; give one --checkpoint")
         if args.diagnostics:
+            if not isinstance(model, Transformer):
+                raise ValueError("--diagnostics measures one model's attention; give one --checkpoint")
             report = sys.stderr if args.json else None  # --json keeps stdout for the figures
             report_diagnostics(model.to(device), tok, cfg.data.max_len, sets[0].pairs, args.out, report)
     except (FileNotFoundError, ValueError, ConfigError) as err:  # CorpusError, InputError included
