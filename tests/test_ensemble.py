@@ -29,8 +29,10 @@ BOS, EOS = 1, 2
 
 @pytest.fixture(autouse=True)
 def _threads() -> Iterator[None]:
-    """The commands set torch's thread count from the config (1 here): give the next tests theirs."""
+    """One thread (tiny models gain nothing from more, and lose much on a loaded machine), as the
+    commands set from the exports' config; the next tests get their count back."""
     threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
 
