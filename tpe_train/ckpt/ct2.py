@@ -75,6 +75,7 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
+from tpe_train.ckpt.rundir import TOKENIZER
 from tpe_train.ckpt.store import CheckpointError
 from tpe_train.config import Config
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
@@ -158,7 +159,7 @@ def export_ctranslate2(model: Transformer, cfg: Config, tok: Tokenizer, out: Pat
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     spec.save(str(tmp))
-    tok.save(str(tmp / "tokenizer.json"))
+    tok.save(str(tmp / TOKENIZER))
     (tmp / README).write_text(readme(model, cfg, quantization))
     old = out.with_name(f".{out.name}.old-{os.getpid()}")
     if out.exists():
