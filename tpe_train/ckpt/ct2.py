@@ -65,8 +65,6 @@ table); shaw, t5, rope and the decoder's ALiBi are unbounded.
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -76,7 +74,7 @@ from tokenizers import Tokenizer
 from torch import nn
 
 from tpe_train.ckpt.rundir import TOKENIZER
-from tpe_train.ckpt.store import CheckpointError
+from tpe_train.ckpt.store import CheckpointError, written_directory
 from tpe_train.config import Config
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.data.tokenizer import BOS, EOS, PAD, UNK
@@ -155,17 +153,10 @@ def export_ctranslate2(model: Transformer, cfg: Config, tok: Tokenizer, out: Pat
     spec = build_spec(model, tok)
     spec.validate()
     spec.optimize(quantization=quantization)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    spec.save(str(tmp))
-    tok.save(str(tmp / TOKENIZER))
-    (tmp / README).write_text(readme(model, cfg, quantization))
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
+    with written_directory(out) as tmp:
+        spec.save(str(tmp))
+        tok.save(str(tmp / TOKENIZER))
+        (tmp / README).write_text(readme(model, cfg, quantization))
     return out
 
 

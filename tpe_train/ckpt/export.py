@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,7 +20,7 @@ from tokenizers import Tokenizer
 
 from tpe_train.ckpt.rundir import CONFIG, TOKENIZER, RunDir
 from tpe_train.ckpt.shards import read_index, read_tensor, write_safetensors
-from tpe_train.ckpt.store import TRAINER, CheckpointError, entries, sha256, verify
+from tpe_train.ckpt.store import TRAINER, CheckpointError, entries, sha256, verify, written_directory
 from tpe_train.config import Config, ConfigError, validate
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.data.tokenizer import load_tokenizer, vocab_hash
@@ -48,24 +46,19 @@ def write_export(
     """Write weights (``tensors``, one at a time, in the order of ``shapes``), config, tokenizer and
     metadata to ``directory`` atomically."""
     directory = Path(directory)
-    tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    written = write_safetensors(tmp / WEIGHTS, tensors, shapes, metadata={"format": "pt", "step": str(step)})
-    (tmp / CONFIG).write_text(cfg.to_yaml())
-    tok.save(str(tmp / TOKENIZER))
-    meta = {
-        "step": step,
-        "vocab_hash": vocab_hash(tok),
-        "parameters": sum(math.prod(shape) for shape in shapes.values()),
-        "sha256": {WEIGHTS: written["sha256"], **{name: sha256(tmp / name) for name in (CONFIG, TOKENIZER)}},
-    }
-    (tmp / META).write_text(json.dumps(meta, indent=2))
-    old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
-    if directory.exists():
-        directory.rename(old)
-    tmp.rename(directory)
-    shutil.rmtree(old, ignore_errors=True)
+    with written_directory(directory) as tmp:
+        meta = {"format": "pt", "step": str(step)}
+        written = write_safetensors(tmp / WEIGHTS, tensors, shapes, metadata=meta)
+        (tmp / CONFIG).write_text(cfg.to_yaml())
+        tok.save(str(tmp / TOKENIZER))
+        hashes = {WEIGHTS: written["sha256"], **{name: sha256(tmp / name) for name in (CONFIG, TOKENIZER)}}
+        figures = {
+            "step": step,
+            "vocab_hash": vocab_hash(tok),
+            "parameters": sum(math.prod(shape) for shape in shapes.values()),
+            "sha256": hashes,
+        }
+        (tmp / META).write_text(json.dumps(figures, indent=2))
     return directory
 
 

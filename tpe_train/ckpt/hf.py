@@ -50,8 +50,6 @@ they agree, so the export's ``length_penalty`` is 0.0 when eval.alpha is 0, and 
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,7 +58,7 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, processors
 
-from tpe_train.ckpt.store import CheckpointError
+from tpe_train.ckpt.store import CheckpointError, written_directory
 from tpe_train.config import Config
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.data.tokenizer import BOS, EOS, PAD, UNK, vocab_hash
@@ -305,19 +303,8 @@ def export_hf(model: Transformer, cfg: Config, tok: Tokenizer, out: Path, step: 
             "new --out directory"
         )
     target = hf_target(model.args)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
     from transformers.utils import logging as hf_logging
 
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a few small files: no progress bars in the command's output
-    try:
-        hf.save_pretrained(tmp)
-        hf_tok.save_pretrained(tmp)
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
     meta = {
         "source": source,
         "step": step,
@@ -329,13 +316,17 @@ def export_hf(model: Transformer, cfg: Config, tok: Tokenizer, out: Path, step: 
         "eval": {"beam": cfg.eval.beam, "alpha": cfg.eval.alpha, "max_len_a": cfg.eval.max_len_a,
                  "max_len_b": cfg.eval.max_len_b},
     }  # fmt: skip
-    (tmp / PROVENANCE).write_text(json.dumps(meta, indent=2) + "\n")
-    (tmp / "README.md").write_text(model_card(model, cfg, target, step, source, out.name))
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a few small files: no progress bars in the command's output
+    try:
+        with written_directory(out) as tmp:
+            hf.save_pretrained(tmp)
+            hf_tok.save_pretrained(tmp)
+            (tmp / PROVENANCE).write_text(json.dumps(meta, indent=2) + "\n")
+            (tmp / "README.md").write_text(model_card(model, cfg, target, step, source, out.name))
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return out
 
 

@@ -21,12 +21,14 @@ manifest) are reported, skipped and removed.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,6 +89,27 @@ def write_manifest(directory: Path, step: int, layout: dict[str, Any], known: di
         rel = str(path.relative_to(directory))
         files[rel] = known.get(rel) or {"size": path.stat().st_size, "sha256": sha256(path)}
     write_json(directory / MANIFEST, {"format": FORMAT, "step": step, "layout": layout, "files": files})
+
+
+@contextlib.contextmanager
+def written_directory(out: Path) -> Iterator[Path]:
+    """A directory to fill that appears at ``out`` only once complete: the caller writes into the
+    yielded temporary sibling, which then replaces ``out`` (an older ``out`` is moved aside first and
+    removed last). An exception removes the temporary directory and leaves ``out`` as it was."""
+    out = Path(out)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    old = out.with_name(f".{out.name}.old-{os.getpid()}")
+    if out.exists():
+        out.rename(old)
+    tmp.rename(out)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def publish(tmp: Path, final: Path) -> None:
