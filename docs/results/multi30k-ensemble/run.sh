@@ -20,5 +20,5 @@ split=test_2016_flickr
 /usr/bin/time -f "%e s" -o "$out/time-s2.txt" tpe-eval --checkpoint "$b" --split $split --out "$out/s2"
 /usr/bin/time -f "%e s" -o "$out/time-ensemble.txt" \
   tpe-eval --checkpoint "$a" "$b" --split $split --out "$out/ensemble"
-python "$out/paired.py" "$out" $split > "$out/paired.json"
+python "$out/paired.py" "$out" $split "${MULTI30K:-../shared/data/multi30k}/$split.de" > "$out/paired.json"
 cat "$out/paired.json"
