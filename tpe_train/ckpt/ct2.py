@@ -78,7 +78,7 @@ from tpe_train.ckpt.store import CheckpointError, written_directory
 from tpe_train.config import Config
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.data.tokenizer import BOS, EOS, PAD, UNK
-from tpe_train.model.generate import length_penalty
+from tpe_train.model.generate import length_penalty, max_lengths
 from tpe_train.model.transformer import Layer, Stack, Transformer
 from tpe_train.positions.absolute import sinusoid_table
 from tpe_train.positions.relative import alibi_slopes
@@ -301,10 +301,8 @@ def detokenize(tok: Tokenizer, hypotheses: list[list[str]]) -> list[str]:
 
 
 def limits(lengths: list[int], max_len_a: float, max_len_b: int, cap: int | None) -> list[int]:
-    """Each source's decoder steps (EOS included) as ``generate._max_lengths`` computes them: from its
-    token count + EOS, in float32, capped by the decoder's table."""
-    steps = [int(np.float32(n + 1) * np.float32(max_len_a)) + max_len_b for n in lengths]
-    return [max(1, min(s, cap) if cap is not None else s) for s in steps]
+    """Each source's decoder steps (EOS included), ``generate.max_lengths`` of its token count + EOS."""
+    return max_lengths(torch.tensor([n + 1 for n in lengths]), max_len_a, max_len_b, cap).tolist()
 
 
 def translate(

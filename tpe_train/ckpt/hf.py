@@ -63,6 +63,7 @@ from tpe_train.config import Config
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.data.tokenizer import BOS, EOS, PAD, UNK, vocab_hash
 from tpe_train.model.args import ModelArgs
+from tpe_train.model.generate import max_lengths
 from tpe_train.model.transformer import Transformer
 
 #: What ``tpe-ckpt export --format hf`` writes besides ``transformers``' own files: provenance.
@@ -431,10 +432,9 @@ class LengthCap:
 
 
 def length_limits(src_lengths: list[int], max_len_a: float, max_len_b: int, cap: int | None) -> list[int]:
-    """``tpe-translate``'s per-sentence cap: a * source tokens (EOS included) + b output tokens (EOS
-    included), at most ``cap`` (the decoder's positions), at least 1."""
-    limits = [int(n * max_len_a) + max_len_b for n in src_lengths]
-    return [max(1, min(x, cap) if cap is not None else x) for x in limits]
+    """``tpe-translate``'s per-sentence cap (``generate.max_lengths``) of sources of ``src_lengths``
+    tokens, EOS included."""
+    return max_lengths(torch.tensor(src_lengths), max_len_a, max_len_b, cap).tolist()
 
 
 def generate(

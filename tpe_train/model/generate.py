@@ -16,15 +16,18 @@ def length_penalty(length: Tensor | int, alpha: float) -> Tensor | float:
     return ((5.0 + length) / 6.0) ** alpha
 
 
-def _max_lengths(model: Ensemble, src: Tensor, max_len_a: float, max_len_b: int) -> Tensor:
-    """Per sentence: a * source length + b generated tokens (EOS included), capped by what the
-    decoder's position encoding can represent."""
-    src_len = (src != model.args.pad_id).sum(dim=1)
+def max_lengths(src_len: Tensor, max_len_a: float, max_len_b: int, cap: int | None) -> Tensor:
+    """Per sentence: a * source length (EOS included; float32) + b generated tokens (EOS included),
+    at most ``cap`` (what the decoder's position encoding can represent), at least 1. The one rule of
+    every decoder here, exports' included."""
     limit = (src_len.float() * max_len_a).long() + max_len_b
-    cap = model.max_target_length()
     if cap is not None:
         limit = limit.clamp(max=cap)
     return limit.clamp(min=1)
+
+
+def _max_lengths(model: Ensemble, src: Tensor, max_len_a: float, max_len_b: int) -> Tensor:
+    return max_lengths((src != model.args.pad_id).sum(dim=1), max_len_a, max_len_b, model.max_target_length())
 
 
 @packed_inference()
