@@ -115,6 +115,7 @@ class SetResult:
     figures: dict[str, Any]
     hypotheses: list[str]  # one per test pair; '' where the encoder could not represent the source
     references: list[str]
+    untranslated: list[int] = field(default_factory=list)  # those pairs' indices (scored as '')
 
 
 @dataclass
@@ -181,7 +182,8 @@ def _score_set(
             ("bleu_lc_tokenized", metrics.lc_tokenized_bleu),  # lowercased (the Multi30k literature)
         ):
             figures[key], figures[f"{key}_method"] = score(text, test_ref, lang)
-    return SetResult(test.name, figures, text, test_ref)
+    untranslated = [i for i, h in enumerate(test_hyp) if h is None]
+    return SetResult(test.name, figures, text, test_ref, untranslated)
 
 
 def _buckets(

@@ -31,13 +31,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from tokenizers import Tokenizer
 
 from tpe_train.ckpt.export import META, WEIGHTS, load_export
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.config import Config, ConfigError
 from tpe_train.data.sources import CorpusError
-from tpe_train.data.tokenizer import encode
 from tpe_train.evaluation.decoding import DecodeOptions, InputError
 from tpe_train.evaluation.evaluate import (
     EvalFiles,
@@ -51,7 +49,6 @@ from tpe_train.evaluation.evaluate import (
 )
 from tpe_train.evaluation.metrics import PairedResult, paired_bootstrap
 from tpe_train.evaluation.position_settings import apply_position_settings
-from tpe_train.model.transformer import Transformer
 from tpe_train.study.grid import Study, StudyError
 from tpe_train.study.position_methods import BASELINE, FAMILIES, Method
 
@@ -343,18 +340,6 @@ def _valid(ckpt: Checkpoint) -> str:
 # Decoding
 
 
-def untranslated(model: Transformer, tok: Tokenizer, sources: list[str]) -> list[int]:
-    """The sentences decoding leaves untranslated (scored as empty): longer than the encoder can
-    represent (``decoding.decode_sentences``'s rule: tokens + EOS beyond ``max_source_length``)."""
-    limit = model.max_source_length()
-    if limit is None:
-        return []
-    ids = encode(tok, sources)
-    return [
-        i for i, (s, seq) in enumerate(zip(sources, ids, strict=True)) if s.strip() and len(seq) + 1 > limit
-    ]
-
-
 def run_plan(plan: Plan, device: torch.device, say: Print = print, dry_run: bool = False) -> tuple[int, int]:
     """Decode every cell not kept yet, checkpoint by checkpoint and method by method (one model copy
     with its settings per method), each checkpoint with its ``train.threads``; returns (decoded, kept
@@ -399,7 +384,7 @@ def _decode(ckpt: Checkpoint, todo: list[Cell], device: torch.device, say: Print
                 "checkpoint": str(ckpt.path),
                 "method": method.name,
                 "source_words": [len(s.split()) for s in sources],
-                "untranslated": untranslated(changed, tok, sources),
+                "untranslated": result.untranslated,
             }
             cell.files.write(Evaluation([result]), figures)
             say(f"  {method.name} on {test.name}: BLEU {result.figures['bleu']:.2f}")
