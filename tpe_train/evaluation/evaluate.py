@@ -186,6 +186,17 @@ def _score_set(
     return SetResult(test.name, figures, text, test_ref, untranslated)
 
 
+def length_bucket(words: int, edges: list[int]) -> str:
+    """The name of the length bucket of a source of ``words`` words: ``1-8``, ``9-16``, ..., ``33+``
+    for sorted ``edges`` 8, 16, 24, 32."""
+    lo = 1
+    for edge in edges:
+        if words <= edge:
+            return f"{lo}-{edge}"
+        lo = edge + 1
+    return f"{lo}+"
+
+
 def _buckets(
     pairs: list[Pair], hyps: list[str | None], edges: list[int], pretokenized: bool
 ) -> dict[str, Any]:
@@ -198,7 +209,7 @@ def _buckets(
         members = [i for i, n in enumerate(words) if lo <= n and (hi is None or n <= hi)]
         if not members:
             continue
-        name = f"{lo}-{hi}" if hi is not None else f"{lo}+"
+        name = length_bucket(lo, sorted(edges))
         kept = [i for i in members if hyps[i] is not None]
         entry: dict[str, Any] = {"sentences": len(members)}
         if not kept:

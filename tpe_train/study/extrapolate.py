@@ -46,11 +46,13 @@ from tpe_train.evaluation.evaluate import (
     corpus_sets,
     evaluate,
     file_set,
+    length_bucket,
 )
 from tpe_train.evaluation.metrics import PairedResult, paired_bootstrap
 from tpe_train.evaluation.position_settings import apply_position_settings
 from tpe_train.study.grid import Study, StudyError
 from tpe_train.study.position_methods import BASELINE, FAMILIES, Method
+from tpe_train.study.results import bucket_low
 
 Print = Callable[[str], None]
 
@@ -400,19 +402,8 @@ def _items(cells: list[Cell], method: Method) -> list[str]:
 # Scoring the kept cells
 
 
-def bucket_name(words: int, edges: list[int]) -> str:
-    """The length bucket of a source of ``words`` words: ``1-8``, ``9-16``, ..., ``33+`` (as
-    ``evaluate``'s BLEU by length names them)."""
-    lo = 1
-    for edge in edges:
-        if words <= edge:
-            return f"{lo}-{edge}"
-        lo = edge + 1
-    return f"{lo}+"
-
-
 def bucket_order(name: str) -> int:
-    return -1 if name == ALL else int(name.rstrip("+").split("-")[0])
+    return -1 if name == ALL else bucket_low(name)
 
 
 @dataclass
@@ -508,7 +499,7 @@ def score(plan: Plan) -> list[MethodRow]:
                     "differ; delete the cells of this checkpoint and run again"
                 )
             lost = set(figures["untranslated"])
-            names = [bucket_name(w, plan.edges(ckpt)) for w in figures["source_words"]]
+            names = [length_bucket(w, plan.edges(ckpt)) for w in figures["source_words"]]
             for bucket in [ALL, *dict.fromkeys(names)]:
                 idx = [i for i, n in enumerate(names) if bucket in (ALL, n)]
                 parts = split.setdefault(bucket, {})
