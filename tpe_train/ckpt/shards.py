@@ -34,12 +34,6 @@ from typing import Any, BinaryIO
 
 import torch
 from torch import Tensor
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from tpe_train.ckpt.store import CheckpointError, verify
 
@@ -286,6 +280,15 @@ class Plan:
 
 
 def _reads(entry: dict[str, Any], region: Region, dest: Tensor, where: str) -> list[Read]:
+    # Imported here, not at the top: torch.distributed.checkpoint costs about a second of start-up
+    # (it pulls in DTensor and FSDP), and only a load that reads stored chunks needs it.
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
     assert dest.numel() == region.numel, (region, dest.shape)
     size = torch.Size(entry["shape"])
     stored = [ChunkStorageMetadata(torch.Size(c["offsets"]), torch.Size(c["sizes"])) for c in entry["chunks"]]
