@@ -256,10 +256,10 @@ def test_bf16_with_tensor_parallelism_trains(tmp_path: Path) -> None:
         "train.bf16=true",
         "model.d_model=64",  # bf16 matrix products are slow on CPUs without bf16 instructions
         "model.ffn_dim=256",
-        "train.max_steps=40",
+        "train.max_steps=20",  # the loss falls by about 1.5 in these steps (asserted: 0.5)
         "train.warmup_steps=10",
         "train.log_every=5",
-        "train.valid_every=40",
+        "train.valid_every=20",
         "train.valid_bleu_size=0",
         "train.progress=false",
         "eval.at_end=false",
@@ -270,7 +270,7 @@ def test_bf16_with_tensor_parallelism_trains(tmp_path: Path) -> None:
     assert "data-parallel 1 x tensor-parallel 2" in proc.stdout
     assert json.loads((run_dir / "deepspeed.json").read_text())["bf16"] == {"enabled": True}
     losses = [v for _, v in scalars(run_dir)["train/loss"]]
-    assert len(losses) == 8 and losses[-1] < losses[0] - 0.5, losses
+    assert len(losses) == 4 and losses[-1] < losses[0] - 0.5, losses
     memory = json.loads((run_dir / "memory.json").read_text())
     # bf16 weights: 2 bytes a parameter, a fp32 master copy in the optimizer
     assert memory[0]["optimizer"] == 3 * 2 * memory[0]["parameters"]
