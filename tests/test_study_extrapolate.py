@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 from sacrebleu.metrics import BLEU
+from sacrebleu.tokenizers.tokenizer_13a import Tokenizer13a
 
 from tpe_train.evaluation.cli import eval_main
 from tpe_train.evaluation.decoding import read_lines
@@ -204,6 +205,9 @@ def test_intervals_hold_the_score_and_match_a_bootstrap_computed_here(
         for part, lines in zip(parts, (sys_, base, refs_), strict=True):
             part += [lines[i] for i in members]
     pooled = paired_bootstrap(*parts, samples=100)
+    # the output length: the pooled translations' 13a tokens over the references'
+    words = [sum(len(Tokenizer13a()(line).split()) for line in lines) for lines in (parts[0], parts[2])]
+    assert got["length_ratio"] == pytest.approx(words[0] / words[1], rel=1e-12)
     for key in ("bleu", "chrf"):
         assert got["pooled"][key] == pytest.approx(pooled.metrics[key].as_dict())
         assert got[key]["delta"] == pytest.approx(pooled.metrics[key].delta)
@@ -286,9 +290,17 @@ def test_the_report_table_is_the_json_and_the_plots_exist(extrapolated: Path) ->
                         text += f" ({f['delta']:+.1f}, p {p})"
                     assert cell == text + ("*" if tests["untranslated"] else ""), (name, method, bucket)
                     checked += 1
+        table = body.split("### Output length\n\n", 1)[1].split("\n\n", 1)[0].splitlines()
+        header = [h.strip().rstrip(" †") for h in table[0].strip("|").split("|")]
+        for line in table[2:]:
+            cells = [c.strip() for c in line.strip("|").split("|")]
+            row = data["sets"][name][cells[0].strip("`")][cells[1].strip("`")]
+            for bucket, cell in zip(header[3:], cells[3:], strict=True):
+                assert cell == f"{row['buckets'][bucket]['length_ratio']:.2f}", (name, cells[1], bucket)
+                checked += 1
     cells = sum(len(row["buckets"]) for groups in data["sets"].values() for rows in groups.values()
                 for row in rows.values())  # fmt: skip
-    assert checked == 2 * cells and cells >= 4 * (3 + 3)  # BLEU and chrF; 4 rows, all + 2 buckets at least
+    assert checked == 3 * cells and cells >= 4 * (3 + 3)  # BLEU, chrF, length; 4 rows, all + 2 buckets
     assert "9-16 †" in report  # beyond the 8 training words
     # the learned table (40 rows) cannot hold the longest segments: untranslated there, marked
     assert data["sets"]["test+x2"]["learned"]["baseline"]["buckets"]["all"]["untranslated"] > 0

@@ -25,6 +25,13 @@ def bleu(hyps: Sequence[str], refs: Sequence[str], pretokenized: bool = False) -
     return score.score, str(metric.get_signature())
 
 
+def length_ratio(hyps: Sequence[str], refs: Sequence[str]) -> float:
+    """Hypothesis over reference length in sacreBLEU's 13a tokens (BLEU's ``sys_len / ref_len``, what
+    its brevity penalty reads): below 1, the translations are shorter than the references."""
+    score = BLEU().corpus_score(list(hyps), [list(refs)])
+    return score.sys_len / max(score.ref_len, 1)
+
+
 def chrf(hyps: Sequence[str], refs: Sequence[str]) -> float:
     """Corpus chrF (sacreBLEU defaults: character 6-grams, beta 2)."""
     return CHRF().corpus_score(list(hyps), [list(refs)]).score

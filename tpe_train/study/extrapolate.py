@@ -48,7 +48,7 @@ from tpe_train.evaluation.evaluate import (
     file_set,
     length_bucket,
 )
-from tpe_train.evaluation.metrics import PairedResult, paired_bootstrap
+from tpe_train.evaluation.metrics import PairedResult, length_ratio, paired_bootstrap
 from tpe_train.evaluation.position_settings import apply_position_settings
 from tpe_train.study.grid import Study, StudyError
 from tpe_train.study.position_methods import BASELINE, FAMILIES, Method
@@ -414,6 +414,7 @@ class BucketTests:
 
     sentences: int
     untranslated: int  # of the method's hypotheses: sources longer than the encoding can represent
+    length_ratio: float  # the method's hypotheses over the references, pooled (metrics.length_ratio)
     per_checkpoint: dict[str, PairedResult]
     pooled: PairedResult
 
@@ -435,6 +436,7 @@ class BucketTests:
         return {
             "sentences": self.sentences,
             "untranslated": self.untranslated,
+            "length_ratio": self.length_ratio,
             "bleu": self.figure("bleu"),
             "chrf": self.figure("chrf"),
             "per_checkpoint": {label: r.as_dict() for label, r in self.per_checkpoint.items()},
@@ -511,17 +513,14 @@ def score(plan: Plan) -> list[MethodRow]:
                 label: paired_bootstrap(s, b, r, plan.samples)
                 for label, (s, b, r, _) in split[bucket].items()
             }
-            if len(per) == 1:
-                pooled = next(iter(per.values()))
-            else:
-                joined: tuple[list[str], list[str], list[str]] = ([], [], [])
-                for s, b, r, _ in split[bucket].values():
-                    for part, lines in zip(joined, (s, b, r), strict=True):
-                        part.extend(lines)
-                pooled = paired_bootstrap(*joined, plan.samples)
-            sentences = sum(len(r) for _, _, r, _ in split[bucket].values())
+            joined: tuple[list[str], list[str], list[str]] = ([], [], [])
+            for s, b, r, _ in split[bucket].values():
+                for part, lines in zip(joined, (s, b, r), strict=True):
+                    part.extend(lines)
+            pooled = next(iter(per.values())) if len(per) == 1 else paired_bootstrap(*joined, plan.samples)
             lost_n = sum(n for *_, n in split[bucket].values())
-            buckets[bucket] = BucketTests(sentences, lost_n, per, pooled)
+            ratio = length_ratio(joined[0], joined[2])
+            buckets[bucket] = BucketTests(len(joined[2]), lost_n, ratio, per, pooled)
         rows.append(MethodRow(test_name, group, method, [c.label for c in members], buckets))
     return rows
 

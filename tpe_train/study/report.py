@@ -279,8 +279,9 @@ def _bucket_cell(tests: BucketTests | None, key: str, baseline: bool) -> str:
 
 
 def extrapolation_markdown(outcome: Outcome, plots: list[Path]) -> str:
-    """The extrapolation report: what was run, per test set a BLEU and a chrF table (rows: setting x
-    method; columns: the whole set and each length bucket), the methods, the checkpoints, the plots."""
+    """The extrapolation report: what was run, per test set a BLEU, a chrF and an output-length table
+    (rows: setting x method; columns: the whole set and each length bucket), the methods, the
+    checkpoints, the plots."""
     plan, cap = outcome.plan, outcome.cap
     first = next((t.pooled for r in outcome.rows for t in r.buckets.values()), None)
     signature = f", `{first.signatures['bleu']}`" if first is not None else ""
@@ -315,7 +316,8 @@ def extrapolation_markdown(outcome: Outcome, plots: list[Path]) -> str:
             else " (`eval.length_buckets`)"
         )
         + ". A source longer than the encoding can represent (a learned table) is scored as an empty "
-        "translation; `*` marks buckets with some.",
+        "translation; `*` marks buckets with some. Output length: the translations' length over the "
+        "references' (sacreBLEU's 13a tokens, what BLEU's brevity penalty reads; 1.00 = as long).",
     ]
     if cap is not None:
         lines.append(
@@ -343,6 +345,12 @@ def extrapolation_markdown(outcome: Outcome, plots: list[Path]) -> str:
                 cells += [_bucket_cell(row.buckets.get(b), key, row.method.name == BASELINE) for b in buckets]
                 lines.append("| " + " | ".join(cells) + " |")
             lines.append("")
+        lines += ["### Output length", "", "| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+        for row in rows:
+            cells = [f"`{row.group}`", f"`{row.method.name}`", str(len(row.checkpoints))]
+            cells += [f"{row.buckets[b].length_ratio:.2f}" if b in row.buckets else "n/a" for b in buckets]
+            lines.append("| " + " | ".join(cells) + " |")
+        lines.append("")
     lines += ["", "## Methods", ""]
     for method in plan.methods:
         items = {cell.checkpoint.label: " ".join(f"--position {i}" for i in cell.items)
