@@ -243,3 +243,42 @@ def test_a_launched_rank_destroys_its_process_group_before_the_interpreter_ends(
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     lines = sorted(line for line in proc.stdout.splitlines() if "group alive at exit" in line)
     assert lines == [f"rank {r} group alive at exit: False" for r in (0, 1)], proc.stdout[-2000:]
+
+
+END_PROCESS = """
+import atexit, os, sys
+import torch.distributed as dist
+from tpe_train.run.exits import end_process
+class Finalized:
+    def __del__(self, write=os.write):  # runs only in interpreter finalization (module globals gone)
+        write(1, b"finalized\\n")
+keep = Finalized()
+# registered first, so it runs last (atexit is LIFO), after the group's own handler
+atexit.register(lambda: os.write(1, f"exit handler: group alive {dist.is_initialized()}\\n".encode()))
+if sys.argv[1] == "group":
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    atexit.register(dist.destroy_process_group)  # as ParallelContext.from_env does
+print("buffered output", end="")  # a pipe: block-buffered, lost unless flushed
+end_process(3)
+"""
+
+
+@pytest.mark.parametrize("joined", [True, False])
+def test_a_rank_that_joined_a_group_ends_without_interpreter_finalization(
+    tmp_path: Path, joined: bool
+) -> None:
+    """tpe-train's exit (``end_process``): with a process group, the exit handlers run (the group is
+    destroyed before the last one), the output is flushed, and finalization, where gloo's threads can
+    abort a finished rank, never happens; without one, a normal exit. The status is kept both ways."""
+    script = tmp_path / "end.py"
+    script.write_text(END_PROCESS)
+    proc = subprocess.run(
+        [sys.executable, str(script), "group" if joined else "alone"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 3, proc.stderr[-3000:]
+    out = proc.stdout
+    assert "buffered output" in out and "exit handler: group alive False" in out, out
+    assert ("finalized" in out) is not joined, out

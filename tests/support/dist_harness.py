@@ -44,6 +44,7 @@ from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layou
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report, optimizer_state_bytes
 from tpe_train.parallel.plan import shard_positions
+from tpe_train.run.exits import end_process
 from tpe_train.train.step import batch_loss, train_step
 
 VOCAB = 64
@@ -302,3 +303,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    end_process(0)  # as tpe-train's ranks leave: no interpreter finalization with gloo groups alive

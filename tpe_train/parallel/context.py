@@ -162,7 +162,9 @@ def _destroy_process_group() -> None:
     abort in interpreter finalization ("terminate called without an active exception", SIGABRT),
     when gloo's worker threads release tensors and need the GIL (pytorch/pytorch#190489). It was
     seen once in 470 tests, on a rank of the 4-process TP 2 x DP 2 test. Registered by every from_env
-    that joins a group; a second call finds no group and does nothing."""
+    that joins a group; a second call finds no group and does nothing. Not enough alone: group objects
+    DeepSpeed still holds are freed in finalization, which tpe-train's ranks therefore skip
+    (``run.exits.end_process``)."""
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
 

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import sys
 import time
+from typing import NoReturn
 
 #: Done.
 EXIT_OK = 0
@@ -41,3 +44,21 @@ def preempted_exit() -> int:
         with open(record_path(records, rank), "w") as f:
             f.write(f"{code}\n")
     return code
+
+
+def end_process(code: int) -> NoReturn:
+    """Exit with ``code``. A process that joined a ``torch.distributed`` group runs its exit handlers
+    (they destroy the groups, see ``parallel/context.py``; close logging; stop compile workers; join
+    child processes), flushes its output and leaves with ``os._exit``, skipping interpreter
+    finalization: there, gloo's worker threads that free tensors ask for the GIL and the thread is
+    unwound through C++ code that may not throw, which aborts a finished rank (SIGABRT, "terminate
+    called without an active exception"; pytorch/pytorch#190489). Destroying the groups at exit is
+    not enough when DeepSpeed still holds the group objects: they are freed in finalization. Any
+    other process exits the usual way."""
+    dist = sys.modules.get("torch.distributed")  # not imported: no group joined, nothing imported here
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        sys.exit(code)
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(code)

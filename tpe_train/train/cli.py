@@ -11,7 +11,7 @@ import sys
 from tpe_train.ckpt.store import CheckpointError
 from tpe_train.config import ConfigError, load_config
 from tpe_train.data.sources import CorpusError
-from tpe_train.run.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED, preempted_exit
+from tpe_train.run.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED, end_process, preempted_exit
 from tpe_train.run.lock import RunDirBusy
 from tpe_train.train.loop import Preempted, run
 
@@ -46,3 +46,9 @@ def main(argv: list[str] | None = None) -> int:
     except Preempted:
         return preempted_exit()  # 75, and the node's launcher is told this rank's checkpoint is complete
     return 0
+
+
+def entry() -> None:
+    """The ``tpe-train`` command and ``python -m tpe_train.train``: ``main``, then the exit of a launched
+    rank (``end_process``: no interpreter finalization once a process group was joined)."""
+    end_process(main())
