@@ -261,7 +261,9 @@ def main() -> None:
     args = parse_with_smoke(parser, None, {"layouts": "zero3x2"})
     if args.worker is not None:
         worker(args.worker, args.dir, args.preset, args.smoke)
-        return
+        from tpe_train.run.exits import end_process
+
+        end_process(0)  # a launched rank: no interpreter finalization with DeepSpeed's groups alive
     work = Path(tempfile.mkdtemp(prefix="tpe-bench-ckpt-", dir=args.dir))
     figures = {}
     try:
