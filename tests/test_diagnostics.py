@@ -143,6 +143,8 @@ def test_the_interval_is_a_validated_key_and_the_last_step_is_measured() -> None
     assert [s for s in range(1, 11) if Cadence.of(cfg.train).should_diagnose(s)] == [4, 8, 10]
     off = load_config("demo", ["train.max_steps=10", "train.diagnostics_every=0"])
     assert not any(Cadence.of(off.train).should_diagnose(s) for s in range(1, 11))
+    images = load_config("demo", ["train.max_steps=11", "train.diagnostics_every=2", "train.valid_every=3"])
+    assert [s for s in range(1, 12) if Cadence.of(images.train).should_draw_tables(s)] == [6, 11]
     assert load_config("demo").train.diagnostics_every == 100
     with pytest.raises(ConfigError, match="diagnostics_every"):
         load_config("demo", ["train.diagnostics_every=-1"])
@@ -167,7 +169,7 @@ def test_training_writes_the_diagnostics_at_its_interval_and_tpe_eval_measures_t
         "data.synthetic.max_words=10", "data.synthetic.long_max_words=14",
         "data.synthetic.valid_size=80", "data.synthetic.test_size=10", "data.synthetic.probe_size=4",
         "data.synthetic.long_size=4", "data.max_tokens=256", "train.max_steps=5", "train.save_every=0",
-        "train.valid_every=1000", "train.valid_bleu_size=0", "train.progress=false", "train.threads=1",
+        "train.valid_every=4", "train.valid_bleu_size=0", "train.progress=false", "train.threads=1",
         "train.diagnostics_every=2", "eval.at_end=false", f"train.run_dir={run_dir}",
     ]))  # fmt: skip
     events = EventAccumulator(str(run_dir / "tb"), size_guidance={"scalars": 0, "images": 0})
@@ -179,7 +181,8 @@ def test_training_writes_the_diagnostics_at_its_interval_and_tpe_eval_measures_t
     assert [e.step for e in events.Scalars(expected[0])] == [2, 4, 5]
     images = events.Tags()["images"]
     assert sorted(images) == ["diag/dec/position_similarity", "diag/enc/position_similarity"]
-    assert [(e.step, e.width, e.height) for e in events.Images(images[0])] == [(s, 48, 48) for s in (2, 4, 5)]
+    # the images only where a diagnostics step is also a validation step (4), and at the last
+    assert [(e.step, e.width, e.height) for e in events.Images(images[0])] == [(s, 48, 48) for s in (4, 5)]
 
     # tpe-eval --diagnostics on the export of the last step and the validation split: the same batch,
     # so the same figures as the last step's scalars (TensorBoard stores float32)

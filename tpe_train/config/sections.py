@@ -336,7 +336,8 @@ class TrainConfig(Section):
     diagnostics_every: int = Field(100, ge=0)
     """Steps between position diagnostics in TensorBoard, also done at the last step (0: none): per layer
     and head of encoder and decoder self-attention the mean attention distance on the first 64
-    validation pairs, and a learned table's row similarity as an image (docs/positions.md)."""
+    validation pairs; a learned table's row similarity as an image at the diagnostics steps that are
+    also validation steps (valid_every) and the last (docs/positions.md)."""
     progress: bool = True
     """Show a progress bar when stderr is a terminal; otherwise, or when false, rank 0 prints a line of
     figures (loss, lr, tokens/s, MFU) every log_every steps on stdout. Validation lines are always printed."""

@@ -52,10 +52,17 @@ class TrainingDiagnostics:
         return cls(src, tgt_in, cfg.data.max_len, ctx.heads(cfg.model.n_heads))
 
     def write(
-        self, engine: Engine, writer: SummaryWriter | None, ctx: ParallelContext, step: int, cast: bool
+        self,
+        engine: Engine,
+        writer: SummaryWriter | None,
+        ctx: ParallelContext,
+        step: int,
+        cast: bool,
+        images: bool = True,
     ) -> None:
         """Measure the model (every rank: tensor-parallel ranks compute their heads together) and write
-        the figures of all heads at ``step`` (rank 0 has the writer)."""
+        the figures of all heads at ``step`` (rank 0 has the writer); ``images``: also the learned
+        tables' similarity images."""
         with engine.gathered() as module:
             model = cast_model(module)
             diag = diagnose(
@@ -65,6 +72,6 @@ class TrainingDiagnostics:
         if writer is None:
             return
         write_scalars(writer, diag.scalars(), step)
-        for side, sim in diag.similarity.items():
+        for side, sim in diag.similarity.items() if images else ():
             image = similarity_image(sim)
             writer.add_image(f"diag/{SHORT[side]}/position_similarity", image, step, dataformats="HWC")

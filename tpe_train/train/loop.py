@@ -209,7 +209,8 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
             if lines:
                 print(log_line(step, cfg.train.max_steps, scalars), flush=True)
         if diagnostics is not None and cadence.should_diagnose(step):
-            diagnostics.write(engine, writer, ctx, step, cast)  # attention distances, position tables
+            images = cadence.should_draw_tables(step)
+            diagnostics.write(engine, writer, ctx, step, cast, images)  # attention distances, tables
         save_best = False  # eval.select=best: the best validation's checkpoint is saved at once
         if cadence.should_validate(step):
             figures = validate(engine, data, cfg, ctx, cast)
