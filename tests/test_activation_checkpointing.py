@@ -124,10 +124,11 @@ def test_evaluation_and_decoding_run_the_layers_as_they_are() -> None:
 @pytest.mark.integration
 @pytest.mark.parametrize("layout", ["zero", "tp"])
 def test_checkpointed_layers_under_zero_1_2_3_and_tensor_parallelism(layout: str, tmp_path: Path) -> None:
-    """2 ranks, T5 positions (the mask the first layer builds), every layer checkpointed: ZeRO 1, 2 and
-    3 in one launch (tests/support/dist_harness.py ``ac``), AutoTP 2 in another, each against one plain
-    process without checkpointing on the same global batch for 2 steps. Under DDP: the 2-rank run of
-    tests/test_batch_tokens.py."""
+    """2 ranks, T5 positions (the mask the first layer builds), every layer checkpointed and the loss in
+    chunks of 16 tokens (``train.loss_chunk_tokens``, the output weight read in the backward's
+    recomputation): ZeRO 1, 2 and 3 in one launch (tests/support/dist_harness.py ``ac``), AutoTP 2 in
+    another, each against one plain process without either on the same global batch for 2 steps. Under
+    DDP: the 2-rank run of tests/test_batch_tokens.py."""
     root = Path(__file__).resolve().parents[1]
     if layout == "zero":
         ds = tmp_path / "zero.json"

@@ -167,7 +167,8 @@ def test_one_two_and_four_ranks_train_the_same_trajectory_and_resume_across_size
 ) -> None:
     """The same train.batch_tokens and seed: 1 process (here), 2 ranks (ZeRO-2, checkpointed layers,
     launched by tpe-launch from another directory) and 4 ranks (DDP), each from scratch for 20 steps,
-    and 4 ranks (DDP, every other layer checkpointed) and 1 process resumed from the 2-rank run's step
+    and 4 ranks (DDP, every other layer checkpointed, the loss in chunks of 64 target tokens) and 1
+    process resumed from the 2-rank run's step
     10, train the same target tokens and pairs per step, and their losses agree within 2e-5 (relative;
     fp32 sums in another order: ranks all-reduce their partial gradients, one process accumulates
     them). Dropout is off: it draws one stream per rank."""
@@ -190,14 +191,14 @@ def test_one_two_and_four_ranks_train_the_same_trajectory_and_resume_across_size
     resume = f"train.resume={two / 'checkpoints' / 'step-00000010'}"
     # 2 ranks: ZeRO-2 with checkpointed layers, through tpe-launch from another directory (the launch
     # file names its DeepSpeed JSON relative to the repository); 4 ranks: DDP, resumed from its step 10
-    every_n = "train.activation_checkpointing=every_n"
+    every_n = ("train.activation_checkpointing=every_n", "train.loss_chunk_tokens=64")
     zero2 = ["run", "--layout", "cpu_zero2", "--procs-per-node", "2", "--preset", "demo", "--"]
     ddp = ["--config_file", str(root / "configs/accelerate/cpu_ddp.yaml"), "--num_processes", "4"]
     launches = (
         (2, [sys.executable, "-m", "launcher.cli", *zero2,
              *_run_args(two, [tokens, "train.activation_checkpointing=layers"])]),
         (4, [sys.executable, "-m", "accelerate.commands.launch", *ddp, "-m", "tpe_train.train",
-             "--preset", "demo", *_run_args(four, [tokens, resume, every_n])]),
+             "--preset", "demo", *_run_args(four, [tokens, resume, *every_n])]),
         (4, [sys.executable, "-m", "accelerate.commands.launch", *ddp, "-m", "tpe_train.train",
              "--preset", "demo", *_run_args(fresh4, [tokens])]),
     )  # fmt: skip

@@ -95,6 +95,7 @@ def test_the_gpu_attention_call_gets_compute_dtype_contiguous_inputs_for_every_e
 class _Cfg:
     class train:  # the attribute path of Config that batch_terms reads
         label_smoothing = 0.1
+        loss_chunk_tokens = 0
 
 
 @pytest.mark.parametrize("kind", [*KINDS, "shaw+values"])

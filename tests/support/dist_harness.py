@@ -19,7 +19,8 @@ records losses, gradient norms and the largest parameter difference after every 
 ``train.cpu_gemm`` of both (default auto). With ``compile``, the ranks' layers are compiled
 (``train.compile``); the reference stays eager.
 ``ac``: as ``zero`` (2 steps), with every encoder and decoder layer checkpointed
-(``train.activation_checkpointing=layers``) on the ranks and not in the reference; for each ZeRO
+(``train.activation_checkpointing=layers``) and the output layer and loss taken in chunks of 16 target
+tokens (``train.loss_chunk_tokens``) on the ranks, neither in the reference; for each ZeRO
 stage in STAGES (the launch's DeepSpeed engine rebuilt with that stage), else the launch's own layout.
 Rank 0 writes the figures to OUT.json; the test asserts on them.
 """
@@ -253,7 +254,7 @@ def zero_check(steps: int, cpu_gemm: str = "auto", compiled: bool = False) -> di
 
 
 def ac_check(stages: list[int], steps: int = 2) -> dict[str, Any]:
-    cfg = config("t5", extra=("train.activation_checkpointing=layers",))
+    cfg = config("t5", extra=("train.activation_checkpointing=layers", "train.loss_chunk_tokens=16"))
     layout = resolve_layout(cfg)
     ctx = ParallelContext.from_env(layout.tp_size, deepspeed=layout.deepspeed is not None)
     cfg2 = config("t5", accumulate=ctx.dp_size)

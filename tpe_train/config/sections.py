@@ -298,6 +298,11 @@ class TrainConfig(Section):
     train.checkpoint_every-th layer of each stack (the first, then every n-th)."""
     checkpoint_every: int = Field(2, ge=1)
     """train.activation_checkpointing=every_n: checkpoint layers 0, n, 2n, ... of each stack."""
+    loss_chunk_tokens: int = Field(0, ge=0)
+    """Target tokens per chunk of the output layer and the loss: each chunk's (tokens x vocabulary)
+    logits are made, scored and dropped, and made again in the backward, so one chunk's are alive at a
+    time; the memory no layer checkpoint removes (docs/distributed.md). Costs the output layer's product
+    once more. 0: the whole micro-batch at once."""
     lr: float = Field(7e-4, gt=0.0)
     """Peak learning rate, reached at the end of warmup."""
     warmup_steps: int = Field(4000, ge=0)

@@ -251,6 +251,10 @@ class Transformer(nn.Module):
 
         With a cache, ``tgt_in`` holds only the new tokens; positions continue from ``cache.offset``.
         """
+        return linear(self.decoder_states(tgt_in, memory, cache), self.embed.weight)  # oneDNN at inference
+
+    def decoder_states(self, tgt_in: Tensor, memory: Memory, cache: DecoderCache | None = None) -> Tensor:
+        """The decoder's output (B, Lt, D), before the output layer (see ``decode``)."""
         offset = cache.offset if cache is not None else 0  # a host int: no device read
         end = offset + tgt_in.shape[1]
         _check_length(end, self.max_target_length(), "target")
@@ -266,11 +270,17 @@ class Transformer(nn.Module):
         )
         if cache is not None:
             cache.offset += tgt_in.shape[1]
-        return linear(h, self.embed.weight)  # oneDNN with a packed weight at inference on CPUs
+        return h
 
-    def forward(self, src: Tensor, tgt_in: Tensor) -> Tensor:
-        """Teacher-forced logits (B, Lt, V)."""
-        return self.decode(tgt_in, self.encode(src))
+    def forward(
+        self, src: Tensor, tgt_in: Tensor, head: Callable[[Tensor, Tensor], Any] | None = None
+    ) -> Any:
+        """Teacher-forced logits (B, Lt, V). With ``head``: ``head(h, weight)`` of the decoder's output h
+        (B, Lt, D) and the output layer's weight (V, D) instead; the logits are left to it (a loss taken
+        in chunks of tokens, ``model/chunked_loss.py``)."""
+        if head is None:
+            return self.decode(tgt_in, self.encode(src))
+        return head(self.decoder_states(tgt_in, self.encode(src)), self.embed.weight)
 
     def new_cache(self) -> DecoderCache:
         return DecoderCache.empty(len(self.decoder.layers))

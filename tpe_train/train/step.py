@@ -21,6 +21,7 @@ from tpe_train.data.batching import PAD_ID, Batch, BatchIterator, collate, lengt
 from tpe_train.data.corpus import pairs_of
 from tpe_train.evaluation import metrics
 from tpe_train.evaluation.decoding import DecodeOptions, decode_sentences
+from tpe_train.model.chunked_loss import ChunkedLoss
 from tpe_train.model.loss import label_smoothed_loss
 from tpe_train.model.transformer import Transformer
 from tpe_train.parallel.context import ParallelContext
@@ -55,9 +56,13 @@ def batch_terms(
     """(summed smoothed loss, summed nll, target tokens) of one batch as tensors on the batch's
     device, nothing read back to the host; ``cast``: bf16 autocast; ``grad_scale``: the factor of
     the loss in the backward that follows."""
+    smoothing, chunk = cfg.train.label_smoothing, cfg.train.loss_chunk_tokens
     with autocast(cast, batch.src.device):
+        if chunk:  # the output layer and the loss chunk by chunk, recomputed in the backward
+            head = ChunkedLoss(batch.tgt_out, PAD_ID, smoothing, chunk, grad_scale)
+            loss, nll, ntok = model(batch.src, batch.tgt_in, head)
+            return loss, nll, ntok
         logits = model(batch.src, batch.tgt_in)
-    smoothing = cfg.train.label_smoothing
     loss, nll, ntok = label_smoothed_loss(logits, batch.tgt_out, PAD_ID, smoothing, grad_scale)
     return loss, nll, ntok
 
