@@ -115,6 +115,15 @@ def check_export(out: Path, stdout: str) -> None:
 
 Check = Callable[[Path, str], None]
 #: script -> (its small mode's arguments, OUT standing for a fresh path; the check of what it wrote)
+def check_memory(out: Path, stdout: str) -> None:
+    rows = json.loads(out.read_text())["rows"]
+    modes = ("none", "layers", "every_n")
+    assert [r["row"] for r in rows] == [f"{m}/{c}" for m in modes for c in ("whole", "chunks of 16")]
+    assert all(r["peak_mib"] > 0 and r["step_ms"] > 0 for r in rows)
+    assert rows[0]["peak_ratio"] == rows[0]["time_ratio"] == 1.0
+    assert "peak above weights" in stdout
+
+
 SMOKE: dict[str, tuple[list[str], Check]] = {
     "bench_train.py": (["--smoke", "--threads", "1", "--json", "OUT"], check_train),
     "profile_step.py": (["--smoke", "--threads", "1", "--timer", "ops"], check_profile),
@@ -124,6 +133,7 @@ SMOKE: dict[str, tuple[list[str], Check]] = {
     "bench_wmt_scale.py": (["--smoke", "--json", "OUT"], check_wmt_scale),
     "bench_checkpoint.py": (["--smoke", "--json", "OUT"], check_checkpoint),
     "bench_parallel.py": (["--smoke", "--json", "OUT"], check_parallel),
+    "bench_memory.py": (["--smoke", "--threads", "1", "--json", "OUT"], check_memory),
     "gpu_attention.py": (["OUT", "--dry-run"], check_gpu_attention),
     "gpu_check.py": (["OUT", "--dry-run"], check_gpu_check),
     "bench_export.py": (["--smoke", "--threads", "1", "--json", "OUT"], check_export),
