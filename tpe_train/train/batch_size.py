@@ -13,13 +13,12 @@ import torch
 from tpe_train.ckpt.export import build_model
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.config import Config, ConfigError
-from tpe_train.data.batching import PAD_ID, collate, length_arrays
+from tpe_train.data.batching import collate, length_arrays
 from tpe_train.data.corpus import Prepared
-from tpe_train.model.loss import label_smoothed_loss
 from tpe_train.parallel.batch import BatchPlan, estimated_micro_tokens, largest_fitting, micro_tokens, resolve
 from tpe_train.parallel.checkpointing import apply_activation_checkpointing
 from tpe_train.parallel.context import ParallelContext
-from tpe_train.train.step import autocast
+from tpe_train.train.step import batch_terms
 
 
 def recorded_max_tokens(run_dir: RunDir) -> int | None:
@@ -33,8 +32,9 @@ def recorded_max_tokens(run_dir: RunDir) -> int | None:
 def probe_max_tokens(cfg: Config, data: Prepared, ctx: ParallelContext) -> int:
     """``data.max_tokens=auto``: the largest multiple of 64 padded tokens whose forward, backward and
     AdamW step, on a batch of the longest training pairs, peaks below ``train.memory_fraction`` of the
-    GPU (``torch.cuda.max_memory_allocated``). A single-device fp32 model with bf16 autocast as
-    configured: ZeRO and tensor parallelism only lower the real peak. The smallest over ranks."""
+    GPU (``torch.cuda.max_memory_allocated``). A single-device fp32 model with bf16 autocast, activation
+    checkpointing and the loss's chunks as configured: ZeRO and tensor parallelism only lower the real
+    peak. The smallest over ranks."""
     if ctx.device.type != "cuda":
         raise ConfigError(
             f"data.max_tokens=auto probes a GPU's memory, but this process runs on {ctx.device.type}; set "
@@ -55,10 +55,7 @@ def probe_max_tokens(cfg: Config, data: Prepared, ctx: ParallelContext) -> int:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(ctx.device)
         try:
-            with autocast(cast, ctx.device):
-                logits = model(batch.src, batch.tgt_in)
-            loss = label_smoothed_loss(logits, batch.tgt_out, PAD_ID, cfg.train.label_smoothing, 1.0)[0]
-            loss.backward()
+            batch_terms(model, batch, cfg, cast)[0].backward()  # the step's loss: chunked as the run's
             optimizer.step()
             torch.cuda.synchronize(ctx.device)
             peak = torch.cuda.max_memory_allocated(ctx.device)
