@@ -113,8 +113,6 @@ def check_export(out: Path, stdout: str) -> None:
     assert "| engine | s/pass | sentences/s |" in stdout
 
 
-Check = Callable[[Path, str], None]
-#: script -> (its small mode's arguments, OUT standing for a fresh path; the check of what it wrote)
 def check_memory(out: Path, stdout: str) -> None:
     rows = json.loads(out.read_text())["rows"]
     modes = ("none", "layers", "every_n")
@@ -124,6 +122,8 @@ def check_memory(out: Path, stdout: str) -> None:
     assert "peak above weights" in stdout
 
 
+Check = Callable[[Path, str], None]
+#: script -> (its small mode's arguments, OUT standing for a fresh path; the check of what it wrote)
 SMOKE: dict[str, tuple[list[str], Check]] = {
     "bench_train.py": (["--smoke", "--threads", "1", "--json", "OUT"], check_train),
     "profile_step.py": (["--smoke", "--threads", "1", "--timer", "ops"], check_profile),
