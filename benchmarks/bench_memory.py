@@ -20,7 +20,7 @@ extra step per row under the tracker. Both count what the step's tensors hold, n
 cache; the gradients are part of it.
 
 Time: ``--warmup`` untimed steps, then ``--steps`` rounds of one timed step per row, the row order
-rotated each round; the median per row and its ratio to the plain row's
+rotated each round (``harness.interleave``); the median per row and its ratio to the plain row's
 (none, whole). GPU: CUDA events; CPU: wall clock, outside the tracker. ``--steps 0``: memory only.
 """
 
@@ -28,12 +28,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
-from harness import SMOKE_MODEL, Batch, build, parse_with_smoke, write_json
+from harness import SMOKE_MODEL, Batch, build, interleave, parse_with_smoke, write_json
 
 from tpe_train.config import Config, load_config
 from tpe_train.parallel.checkpointing import apply_activation_checkpointing
@@ -90,19 +89,6 @@ class Row:
         loss, _, _ = batch_terms(self.model, self.batch, self.cfg, self.cast, scale)  # type: ignore[arg-type]
         (loss * scale).backward()
 
-    def timed(self) -> None:
-        if self.device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            self.step()
-            end.record()
-            end.synchronize()
-            self.times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            self.step()
-            self.times.append(time.perf_counter() - t0)
-
     def peak_mib(self) -> float:
         self.model.zero_grad(set_to_none=True)
         if self.device.type == "cuda":
@@ -136,12 +122,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"{' bf16' if args.bf16 else ' fp32'}; torch {torch.__version__}"
     )
     peaks = {row.name: row.peak_mib() for row in rows}
-    for _ in range(args.warmup if args.steps else 0):
-        for row in rows:
-            row.step()
-    for r in range(args.steps):  # the order shifts by one every round
-        for row in [*rows[r % len(rows) :], *rows[: r % len(rows)]]:
-            row.timed()
+    if args.steps:
+        interleave(rows, args.warmup, args.steps, device, "step")
     plain = rows[0]
     figures = []
     print(

@@ -89,7 +89,8 @@ def interleave(
     then ``steps`` rounds of one timed ``row.step()`` per row, appended to ``row.times`` (seconds by
     ``clock``; with ``cpu_time`` also the process's CPU time to ``row.cpu_times``). ``rotate``: the
     order shifts by one every round. ``collect``: when the garbage collector runs (not inside a timed
-    step)."""
+    step). On a GPU with the default clock a step is timed by CUDA events recorded around it (the
+    device's time from its first queued kernel to its last, idle gaps included)."""
     for row in rows:
         n = getattr(row, "warmup_steps", None)
         t0 = time.perf_counter()
@@ -107,10 +108,18 @@ def interleave(
                 gc.collect()
             sync(device)
             c0 = time.process_time()
-            t0 = clock()
-            row.step()
-            sync(device)
-            row.times.append(clock() - t0)
+            if device.type == "cuda" and clock is time.perf_counter:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                row.step()
+                end.record()
+                end.synchronize()
+                row.times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = clock()
+                row.step()
+                sync(device)
+                row.times.append(clock() - t0)
             if cpu_time:
                 row.cpu_times.append(time.process_time() - c0)
         if not quiet:
