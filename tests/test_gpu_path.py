@@ -128,6 +128,32 @@ def test_a_training_step_of_every_encoding_runs_under_fake_tensors(
     assert nll.shape == () and ntok.shape == ()
 
 
+class _ChunkedCfg:
+    class train:
+        label_smoothing = 0.1
+        loss_chunk_tokens = 7  # 3 x 5 target positions: chunks of 7, 7 and 1
+
+
+@pytest.mark.parametrize("kind", ["rope", "t5"])
+def test_a_training_step_with_the_loss_in_chunks_runs_under_fake_tensors(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``train.loss_chunk_tokens``: the chunks and their recomputation in the backward read nothing
+    back to the host either (the GPU's loss kernel, as above)."""
+    monkeypatch.setattr(loss_module, "loss_kernel", lambda dtype, device: loss_module._SmoothedCE)
+    src, tgt = batch()
+    tgt_in = torch.cat([torch.ones(3, 1, dtype=torch.long), tgt[:, :-1]], 1)
+    with FakeTensorMode() as mode:
+        torch.manual_seed(0)
+        model = tiny_model(kind).train()
+        ids, fsrc, fin, fout = (mode.from_tensor(t) for t in (torch.arange(3), src, tgt_in, tgt))
+        loss, nll, ntok = batch_terms(model, Batch(ids, fsrc, fin, fout), _ChunkedCfg(), cast=True)  # type: ignore[arg-type]
+        (loss / ntok).backward()
+        grads = [p.grad for p in model.parameters() if p.requires_grad]
+    assert all(g is not None for g in grads) and model.embed.weight.grad is not None
+    assert nll.shape == () and ntok.shape == ()
+
+
 def test_a_validation_pass_reads_nothing_back_per_batch() -> None:
     """``loss_sums`` (the validation pass) adds the batches' nll and token counts on the device: under
     FakeTensorMode a per-batch ``float()``/``int()`` would raise; the real sums equal the per-batch
