@@ -232,6 +232,18 @@ def test_a_rerun_decodes_only_cells_it_has_not_kept(study: Study, extrapolated: 
     assert read_lines(stale.files.hypotheses(stale.test_set.name)) == before  # greedy again: the same
 
 
+def test_exports_given_one_by_one_from_a_study_layout_pool_as_the_study_does(tmp_path: Path) -> None:
+    """--checkpoint: STUDY/runs/s<seed>/<setting>/<export> gets the study's label and row; a second
+    export of the same run and any other path are rows of their own, never named like a setting."""
+    study = tmp_path / "study" / "runs"
+    paths = [study / "s1" / "rope" / "averaged-last5", study / "s2" / "rope" / "checkpoint",
+             study / "s1" / "rope" / "checkpoint", tmp_path / "elsewhere" / "rope" / "checkpoint",
+             tmp_path / "s3" / "alibi" / "checkpoint"]  # fmt: skip
+    rows = [(label, row, seed) for _, label, row, seed in ex.checkpoint_rows(paths)]
+    assert rows == [("rope-s1", "rope", 1), ("rope-s2", "rope", 2), ("rope-2", "rope-2", None),
+                    ("rope-3", "rope-3", None), ("alibi", "alibi", None)]  # fmt: skip
+
+
 def test_bad_input_stops_before_any_decoding(
     study: Study, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -239,7 +251,7 @@ def test_bad_input_stops_before_any_decoding(
     out = tmp_path / "out"
     cases = [
         (["--checkpoint", rope, "--methods", "alibi-slope"],
-         ["method alibi-slope changes alibi", "rope uses rope (methods: rope-pi, rope-ntk, rope-yarn)"]),
+         ["method alibi-slope changes alibi", "rope-s1 uses rope (methods: rope-pi, rope-ntk, rope-yarn)"]),
         (["--checkpoint", rope, "--methods", "rope-yarn", "--sides", "cross"],
          ["method rope-yarn changes rope (cross)", "which no checkpoint uses there"]),
         (["--checkpoint", rope, "--methods", "rope-warp"],

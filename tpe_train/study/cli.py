@@ -296,8 +296,7 @@ def cmd_extrapolate(argv: list[str]) -> int:
         checkpoints: list[tuple[Path, str, str, int | None]] = list(ex.study_exports(study))
         out = Path(args.out) if args.out else study.root / "extrapolate"
     else:
-        taken: set[str] = set()
-        checkpoints = [(Path(c), label := ex.label_of(Path(c), taken), label, None) for c in args.checkpoint]
+        checkpoints = ex.checkpoint_rows([Path(c) for c in args.checkpoint])
         out = Path(args.out or "runs/extrapolate")
     try:
         device = device_from_arg(args.device)

@@ -136,6 +136,32 @@ def label_of(path: Path, taken: set[str]) -> str:
     return unique
 
 
+def checkpoint_rows(paths: list[Path]) -> list[tuple[Path, str, str, int | None]]:
+    """(export, label, row, seed) of exports given one by one (``--checkpoint``). An export inside a
+    study's layout (``STUDY/runs/s<seed>/<setting>/<export>``) is labelled and pooled as the study
+    does: ``<setting>-s<seed>`` in the row ``<setting>`` (the first export of each setting and seed;
+    another of the same run is its own row). Any other export is its own row (``label_of``)."""
+    found: list[tuple[Path, str | None, str | None, int | None]] = []
+    runs: set[tuple[str, int]] = set()
+    for path in paths:
+        resolved = Path(path).resolve()
+        numbered = re.fullmatch(r"s(\d+)", resolved.parent.parent.name)
+        run = (resolved.parent.name, int(numbered.group(1))) if numbered else None
+        if run is not None and resolved.parent.parent.parent.name == "runs" and run not in runs:
+            runs.add(run)
+            found.append((path, f"{run[0]}-s{run[1]}", run[0], run[1]))
+        else:
+            found.append((path, None, None, None))
+    taken = {label for _, label, _, _ in found if label} | {setting for setting, _ in runs}
+    rows = []
+    for path, label, row, seed in found:
+        if label is None:
+            label = row = label_of(path, taken)
+        assert row is not None
+        rows.append((path, label, row, seed))
+    return rows
+
+
 def study_exports(study: Study) -> list[tuple[Path, str, str, int]]:
     """(export, label, setting, seed) of every run of a study: the model the study's report scored.
     A run without figures or without weights (not finished, or an archive) is an error naming it."""
