@@ -430,6 +430,6 @@ def write_extrapolation_report(outcome: Outcome) -> Path:
     path = out / "report.md"
     path.write_text(extrapolation_markdown(outcome, plots))
     # compact: every bucket of every row holds its paired tests (indented, a 69-cell report was 1.4 MB)
-    figures = extrapolation_summary(outcome)
-    (out / "summary.json").write_text(json.dumps(figures, separators=(",", ":")) + "\n")
+    summary = json.dumps(extrapolation_summary(outcome), separators=(",", ":"))
+    (out / "summary.json").write_text(summary + "\n")
     return path
