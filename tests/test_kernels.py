@@ -198,7 +198,7 @@ def losses_of_20_steps(cpu_gemm: str, bf16: bool = False) -> list[float]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ctx = ParallelContext.fake()
     engine = Engine(model, opt, sched, ctx, accumulate=1, clip_norm=1.0, deepspeed=None)
-    return [train_step(engine, [b], cfg, ctx, cast=bf16)["loss"] for b in tiny_batches(20)]
+    return [train_step(engine, [b], cfg, ctx, cast=bf16).read(ctx)["loss"] for b in tiny_batches(20)]
 
 
 def test_20_training_steps_through_onednn_give_the_losses_of_pytorchs_kernels(cpu_gemm: None) -> None:
@@ -268,9 +268,9 @@ def test_a_peak_measured_while_the_cores_were_busy_is_measured_again(monkeypatch
     assert meter.peak == 1.0
     src, tgt = torch.full((8, 10), 5), torch.full((8, 11), 5)
     batch = Batch(ids=torch.arange(8), src=src, tgt_in=tgt, tgt_out=tgt)
-    meter.step([batch], 80.0)  # about 0.4 GFLOP of model work, read back within a second
-    out = meter.read()
+    meter.step([batch])  # about 0.4 GFLOP of model work, read back within a second
+    out = meter.read(80.0)
     assert meter.peak >= 2.0 and 0 < out["train/mfu"] <= 1.0, (meter.peak, out)
     given = perf.Throughput(args, torch.float32, torch.device("cpu"), peak_gflops=0.001)  # the user's figure
-    given.step([batch], 80.0)
-    assert given.read()["train/mfu"] > 1.0 and given.peak == 0.001  # kept as given, not measured
+    given.step([batch])
+    assert given.read(80.0)["train/mfu"] > 1.0 and given.peak == 0.001  # kept as given, not measured

@@ -147,11 +147,11 @@ def tp_check(kinds: list[str]) -> dict[str, Any]:
         b = batch(1)
         sharded = engine_for(cfg, ctx, deepspeed_config(cfg, layout))
         torch.manual_seed(1)
-        stats = train_step(sharded, [b], cfg, ctx, cast=False)
+        stats = train_step(sharded, [b], cfg, ctx, cast=False).read(ctx)
         after = full_weights(sharded)
         plain = engine_for(cfg, ParallelContext.fake(), None)
         torch.manual_seed(1)
-        ref = train_step(plain, [b], cfg, ParallelContext.fake(), cast=False)
+        ref = train_step(plain, [b], cfg, ParallelContext.fake(), cast=False).read(ParallelContext.fake())
         out[name] = {
             "onednn_nodes": onednn_nodes(sharded, b),
             "ref_onednn_nodes": onednn_nodes(plain, b),
@@ -217,8 +217,8 @@ def lockstep(
     through one plain process; yields both steps' figures and the largest parameter difference."""
     for step in range(steps):
         halves = [batch(100 * step + r, rows=3 + r) for r in range(ctx.dp_size)]
-        stats = train_step(sharded, [halves[ctx.dp_rank]], cfg, ctx, cast=False)
-        ref = train_step(plain, halves, cfg2, ParallelContext.fake(), cast=False)
+        stats = train_step(sharded, [halves[ctx.dp_rank]], cfg, ctx, cast=False).read(ctx)
+        ref = train_step(plain, halves, cfg2, ParallelContext.fake(), cast=False).read(ParallelContext.fake())
         yield stats, ref, max_diff(full_weights(sharded), full_weights(plain))
 
 

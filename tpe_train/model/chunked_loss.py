@@ -37,17 +37,20 @@ class ChunkedLoss:
     pad_id: int
     epsilon: float
     tokens: int
-    grad_scale: float = 1.0
+    grad_scale: float | Tensor = 1.0
 
     def __eq__(self, other: object) -> bool:
         """The same targets scored the same way (DeepSpeed's AutoTP compares a forward's arguments
         across the ranks of a tensor-parallel group, the other rank's tensors on its own device)."""
         if not isinstance(other, ChunkedLoss):
             return NotImplemented
-        same = (self.pad_id, self.epsilon, self.tokens, self.grad_scale) == (
-            other.pad_id, other.epsilon, other.tokens, other.grad_scale
-        )  # fmt: skip
-        return same and torch.equal(self.target, other.target.to(self.target.device))
+        same = (self.pad_id, self.epsilon, self.tokens) == (other.pad_id, other.epsilon, other.tokens)
+        scales = [torch.as_tensor(s, dtype=torch.float64) for s in (self.grad_scale, other.grad_scale)]
+        return (
+            same
+            and torch.equal(scales[0].cpu(), scales[1].cpu())
+            and torch.equal(self.target, other.target.to(self.target.device))
+        )
 
     __hash__ = None  # type: ignore[assignment]  # equal by value, and it holds a tensor
 

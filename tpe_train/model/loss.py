@@ -100,10 +100,15 @@ class _ChunkedSmoothedCE(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, logits: Tensor, target: Tensor, epsilon: float, pad_id: int, grad_scale: float = 1.0
+        ctx: Any,
+        logits: Tensor,
+        target: Tensor,
+        epsilon: float,
+        pad_id: int,
+        grad_scale: float | Tensor = 1.0,
     ) -> tuple[Tensor, Tensor]:
         rows, vocab = logits.shape
-        scale = torch.tensor(grad_scale, dtype=torch.float32)  # as the caller's fp32 loss * factor
+        scale = torch.as_tensor(grad_scale, dtype=torch.float32, device=logits.device)  # fp32, as the loss
         weight = (target != pad_id).float()
         w = (weight * scale)[:, None]  # the gradient's row factor: (softmax - eps/V - (1-eps) onehot) * w
         w_smooth, w_target = w * (epsilon / vocab), w * -(1.0 - epsilon)
@@ -141,12 +146,13 @@ def loss_kernel(dtype: torch.dtype, device_type: str) -> type[torch.autograd.Fun
 
 
 def label_smoothed_loss(
-    logits: Tensor, target: Tensor, pad_id: int, epsilon: float, grad_scale: float = 1.0
+    logits: Tensor, target: Tensor, pad_id: int, epsilon: float, grad_scale: float | Tensor = 1.0
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Sums over non-pad tokens: (label-smoothed loss, nll (no gradient), token count).
 
     logits: (..., V); target: (...) with ``pad_id`` at padding. ``grad_scale``: the factor the loss
-    will be multiplied by before its backward, if known (a hint for the CPU's bf16 kernel, see above).
+    will be multiplied by before its backward, if known, as a float or a 0-d tensor (a hint for the CPU's
+    bf16 kernel, see above).
     """
     flat_logits = logits.reshape(-1, logits.shape[-1])
     flat_target = target.reshape(-1)

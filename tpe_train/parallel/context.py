@@ -11,6 +11,7 @@ the groups are taken from it so that both sides use the very same process groups
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +33,7 @@ class ParallelContext:
     tp_group: Any = None  # torch ProcessGroup of this rank's tensor-parallel group (None: tp_size 1)
     dp_group: Any = None  # torch ProcessGroup of this rank's data-parallel group (None: whole world)
     device: torch.device = CPU  # where this rank's model, batches and collectives live
+    host_group: Any = None  # a gloo group of the whole world, for host flags (None: the default group)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.world_size % self.tp_size:
@@ -71,15 +73,24 @@ class ParallelContext:
         if not self.distributed:
             return values
         t = torch.tensor(values, dtype=torch.float64, device=self.device)  # nccl reduces GPU tensors only
+        return [float(v) for v in self.dp_reduce(t).tolist()]
+
+    def dp_reduce(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (on this rank's device) summed over the data-parallel ranks, as a new tensor on the
+        device: nothing is read back, and on a GPU the host does not wait for it."""
+        if not self.distributed:
+            return t
+        t = t.clone()
         dist.all_reduce(t, group=self.dp_group)
-        return [float(v) for v in t.tolist()]
+        return t
 
     def any(self, flag: bool) -> bool:
-        """True on every rank if ``flag`` is true on any rank."""
+        """True on every rank if ``flag`` is true on any rank. A host flag, reduced over the host group
+        (gloo): on GPUs, asking it every step does not make the host wait for the GPU's queue."""
         if not self.distributed:
             return flag
-        t = torch.tensor([int(flag)], device=self.device)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        t = torch.tensor([int(flag)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.host_group)
         return bool(t.item())
 
     def barrier(self) -> None:
@@ -128,8 +139,11 @@ class ParallelContext:
         elif not dist.is_initialized():
             dist.init_process_group(backend=_backend())
         atexit.register(_destroy_process_group)
+        # Host flags (a preemption signal, a run lock) go through gloo on the CPU: through nccl each
+        # would be a copy to the GPU and back, waiting for every kernel queued before it.
+        host = dist.new_group(backend="gloo") if world > 1 else None
         if tp_size == 1:
-            return probe
+            return dataclasses.replace(probe, host_group=host)
         if not deepspeed:
             raise ValueError(
                 "tensor parallelism runs through DeepSpeed's AutoTP: launch with a DeepSpeed file"
@@ -139,7 +153,7 @@ class ParallelContext:
         groups._init_tp_mesh_device(tensor_model_parallel_size=tp_size)  # idempotent; the engine reuses it
         tp_group = groups.get_tensor_model_parallel_group()
         dp_group = groups._DATA_PARALLEL_GROUP  # the mesh's; _get_data_parallel_group() may be the world
-        ctx = cls(world, rank, local, tp_size, tp_group, dp_group, device)
+        ctx = cls(world, rank, local, tp_size, tp_group, dp_group, device, host)
         sizes = (dist.get_world_size(tp_group), dist.get_world_size(dp_group))
         assert sizes == (tp_size, ctx.dp_size), f"DeepSpeed's tp/dp groups have sizes {sizes}"
         return ctx

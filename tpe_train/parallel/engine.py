@@ -105,9 +105,10 @@ class Engine:
         with self.accelerator.accumulate(self.model):
             self.accelerator.backward(loss)
 
-    def step(self) -> float:
+    def step(self) -> Tensor | float:
         """Finish the optimizer step after ``accumulate`` backward calls; returns the gradient norm
-        (before clipping) over all ranks."""
+        (before clipping) over all ranks: a tensor on the device (not read back here: on a GPU that
+        would wait for the step), or the float DeepSpeed hands back (nan when it has none)."""
         assert self._micro == self.accumulate, f"{self._micro} backward calls, expected {self.accumulate}"
         self._micro = 0
         if self.uses_deepspeed:  # DeepSpeed clipped, stepped and zeroed in the last backward
@@ -115,7 +116,7 @@ class Engine:
             # in a scheduler that must be stepped here (the DeepSpeed wrapper's step is a no-op)
             self.scheduler.step()
             norm = self.model.get_global_grad_norm()
-            return float(norm) if norm is not None else float("nan")
+            return norm if norm is not None else float("nan")
         max_norm = self.clip_norm or float("inf")
         if self.accelerator is None:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
@@ -124,7 +125,7 @@ class Engine:
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return float(norm)
+        return norm
 
     def lr(self) -> float:
         return float(self.lr_scheduler.get_last_lr()[0])

@@ -39,7 +39,7 @@ from tpe_train.train import batch_size, selection
 from tpe_train.train.cadence import Cadence
 from tpe_train.train.diagnostics import TrainingDiagnostics
 from tpe_train.train.scalars import log_line, write_scalars
-from tpe_train.train.step import inverse_sqrt, seed_everything, train_step, validate
+from tpe_train.train.step import TokenTally, inverse_sqrt, seed_everything, train_step, validate
 from tpe_train.train.throughput import Throughput, configure_cpu
 
 
@@ -185,24 +185,28 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
     meter = Throughput.of_run(cfg, data.tokenizer.get_vocab_size(), ctx)  # tokens/s, MFU
     diagnostics = TrainingDiagnostics.of_run(cfg, data, ctx)  # a fixed validation batch; None: off
     stop = selection.exhausted(progress.best, cfg.train.patience)  # a resumed run that stopped early
+    tally = TokenTally(progress.tokens)  # the steps' token counts, kept on the device between reads
     for step in range(progress.step + 1, cfg.train.max_steps + 1):
         if stop:
             break
         micro = [next(batches) for _ in range(cfg.train.accumulate)]
-        stats = train_step(engine, micro, cfg, ctx, cast)
-        progress.step, progress.tokens = step, progress.tokens + stats["tokens"]
-        meter.step(micro, stats["tokens"])
+        pending = train_step(engine, micro, cfg, ctx, cast)  # on the device; read at log steps only
+        progress.step = step
+        tally.add(pending.tokens)
+        meter.step(micro)
         if samples is not None:
             samples.write(json.dumps({"step": step, "ids": [int(i) for b in micro for i in b.ids]}) + "\n")
             samples.flush()
         if cadence.should_log(step):
+            stats = pending.read(ctx)
+            logged, progress.tokens = progress.tokens, tally.total()
             scalars = {
                 "train/loss": stats["loss"],
                 "train/nll": stats["nll"],
                 "train/lr": engine.lr(),
                 "train/grad_norm": stats["grad_norm"],
                 "train/target_tokens": stats["tokens"],  # of the step, all ranks: train.batch_tokens reached
-                **meter.read(),
+                **meter.read(progress.tokens - logged),
             }
             write_scalars(writer, scalars, step)
             bar.set_postfix(loss=f"{scalars['train/loss']:.3f}", lr=f"{scalars['train/lr']:.2e}")
@@ -220,6 +224,7 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
             save_best, stop = selection.observe(progress.best, figures, cfg, step, ctx)
         preempted = ctx.any(signals.received is not None)
         if cadence.should_save(step, stopping=preempted or stop, new_best=save_best):
+            progress.tokens = tally.total()
             path = checkpointer.save(progress, wait=preempted)  # in the background with train.async_save
             if ctx.is_main:
                 tqdm.write(f"tpe-train: checkpoint {path}")
@@ -230,6 +235,7 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
             raise Preempted
         bar.update(1)
     bar.close()
+    progress.tokens = tally.total()
     checkpointer.wait()
     latest = latest_complete(run_dir.checkpoints)[0]
     if latest is None or latest.step != progress.step:  # e.g. resumed from elsewhere with no step left

@@ -11,6 +11,7 @@ import contextlib
 import math
 import random
 from collections.abc import Iterable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -51,7 +52,7 @@ def autocast(enabled: bool, device: torch.device) -> contextlib.AbstractContextM
 
 
 def batch_terms(
-    model: Any, batch: Batch, cfg: Config, cast: bool, grad_scale: float = 1.0
+    model: Any, batch: Batch, cfg: Config, cast: bool, grad_scale: float | torch.Tensor = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed smoothed loss, summed nll, target tokens) of one batch as tensors on the batch's
     device, nothing read back to the host; ``cast``: bf16 autocast; ``grad_scale``: the factor of
@@ -87,9 +88,50 @@ def loss_sums(
     return nll_sum, ntok_sum
 
 
+@dataclass(frozen=True)
+class StepResult:
+    """What one optimizer step leaves, on the device: nothing of it is read back until ``read``.
+
+    ``sums``: (loss, nll) summed over this rank's micro-batches, float64; ``tokens``: the step's target
+    tokens over all data-parallel ranks, float64; ``grad_norm``: before clipping, over all ranks (a
+    tensor, or the float DeepSpeed hands back)."""
+
+    sums: torch.Tensor
+    tokens: torch.Tensor
+    grad_norm: torch.Tensor | float
+
+    def read(self, ctx: ParallelContext) -> dict[str, float]:
+        """Loss and nll per target token over all data-parallel ranks, gradient norm and tokens, as
+        floats: one reduction and one host read. Every data-parallel rank must call it at the same
+        step (the reduction is a collective)."""
+        loss_sum, nll_sum = ctx.dp_reduce(self.sums).unbind()
+        norm = torch.as_tensor(self.grad_norm, dtype=torch.float64, device=self.tokens.device)
+        loss, nll, tokens, grad_norm = torch.stack(
+            [loss_sum / self.tokens, nll_sum / self.tokens, self.tokens, norm.reshape(())]
+        ).tolist()
+        return {"loss": loss, "nll": nll, "grad_norm": grad_norm, "tokens": tokens}
+
+
+class TokenTally:
+    """Target tokens trained so far: the steps' device counts are added on the device, and read back
+    only when asked (a log line, a checkpoint), not once per step."""
+
+    def __init__(self, done: float = 0.0) -> None:
+        self.done, self._pending = done, None  # type: tuple[float, torch.Tensor | None]
+
+    def add(self, tokens: torch.Tensor) -> None:
+        self._pending = tokens if self._pending is None else self._pending + tokens
+
+    def total(self) -> float:
+        """All tokens so far (one host read if steps were added since the last call)."""
+        if self._pending is not None:
+            self.done, self._pending = self.done + float(self._pending), None
+        return self.done
+
+
 def train_step(
     engine: Engine, micro: list[Batch], cfg: Config, ctx: ParallelContext, cast: bool
-) -> dict[str, float]:
+) -> StepResult:
     """One optimizer step over ``train.accumulate`` batches on every data-parallel rank.
 
     The gradient is that of the summed loss over all target tokens of the step on all ranks, divided
@@ -98,23 +140,25 @@ def train_step(
     ``accumulate * dp_size``, which undoes the averaging that accelerate/DeepSpeed apply over
     accumulation steps and data-parallel ranks.
 
-    No host sync per micro-batch: the token count comes from the host batches, and the losses are
-    summed on the device in float64 (the same additions, in the same order, as Python floats of
-    each micro-batch's loss) and read back once, after the optimizer step."""
-    ntok = ctx.dp_sum([float(sum(b.target_tokens for b in micro))])[0]
-    scale = cfg.train.accumulate * ctx.dp_size / ntok
-    seen = scale / cfg.train.accumulate  # every engine divides by ``accumulate``: the loss's backward factor
+    Nothing is read back to the host (on a GPU the host queues the next step while this one runs):
+    the token count is counted on the device from the batches and summed over the ranks there, the
+    loss scale stays a device scalar, and the losses (summed in float64, in the order of the
+    micro-batches) and the gradient norm stay on the device until ``StepResult.read``."""
+    batches = [batch.to(ctx.device) for batch in micro]
+    local = torch.stack([(b.tgt_out != PAD_ID).sum() for b in batches]).sum().to(torch.float64)
+    ntok = ctx.dp_reduce(local)
+    scale64 = cfg.train.accumulate * ctx.dp_size / ntok
+    scale = scale64.float()  # what a Python float factor of the fp32 loss was rounded to
+    seen = (scale64 / cfg.train.accumulate).float()  # every engine divides by ``accumulate``
     sums: torch.Tensor | None = None  # (loss, nll) summed in float64 on the device
-    for batch in micro:
-        loss, nll, _ = batch_terms(engine.forward, batch.to(ctx.device), cfg, cast, seen)
+    for batch in batches:
+        loss, nll, _ = batch_terms(engine.forward, batch, cfg, cast, seen)
         engine.backward(loss * scale)
         both = torch.stack([loss.detach(), nll.detach()]).to(torch.float64)
         sums = both if sums is None else sums + both
     grad_norm = engine.step()
     assert sums is not None, "train_step needs at least one micro-batch"
-    loss_host, nll_host = sums.tolist()  # the step's one read of the losses
-    loss_sum, nll_sum = ctx.dp_sum([loss_host, nll_host])
-    return {"loss": loss_sum / ntok, "nll": nll_sum / ntok, "grad_norm": grad_norm, "tokens": ntok}
+    return StepResult(sums, ntok, grad_norm)
 
 
 @torch.no_grad()

@@ -227,7 +227,7 @@ class Throughput:
             shapes = model_shapes(args, device)
             self._measure = lambda: measure_peak(dtype, device, shapes, native_bf16=False).gflops()
             self.peak = self._measure()
-        self.tokens, self.flops, self.start = 0.0, 0.0, time.perf_counter()
+        self.flops, self.start = 0.0, time.perf_counter()
 
     @classmethod
     def of_run(cls, cfg: Config, vocab_size: int, ctx: ParallelContext) -> Throughput:
@@ -236,16 +236,16 @@ class Throughput:
         args = cfg.model.args(vocab_size, PAD_ID, BOS_ID, EOS_ID)
         return cls(args, dtype, ctx.device, ctx.tp_size, cfg.train.peak_gflops, enabled=ctx.is_main)
 
-    def step(self, batches: Sequence[Batch], tokens: float) -> None:
-        """One optimizer step over ``batches`` (this rank's), ``tokens`` target tokens."""
-        self.tokens += tokens
+    def step(self, batches: Sequence[Batch]) -> None:
+        """One optimizer step over ``batches`` (this rank's)."""
         shapes = [(b.src.shape[0], b.src.shape[1], b.tgt_in.shape[1]) for b in batches]
         self.flops += train_flops(self.args, shapes) / self.tp_size
 
-    def read(self) -> dict[str, float]:
-        """``train/tokens_per_s`` and ``train/mfu`` since the last read; starts a new window."""
+    def read(self, tokens: float) -> dict[str, float]:
+        """``train/tokens_per_s`` (``tokens``: the target tokens trained since the last read, all
+        ranks) and ``train/mfu`` since the last read; starts a new window."""
         elapsed = max(time.perf_counter() - self.start, 1e-9)
-        out = {"train/tokens_per_s": self.tokens / elapsed}
+        out = {"train/tokens_per_s": tokens / elapsed}
         rate = self.flops / elapsed / 1e9
         if self._measure is not None and rate > self.peak:
             # The start-up measurement was low (other processes shared the cores then, as two runs of a
@@ -253,5 +253,5 @@ class Throughput:
             self.peak = max(self.peak, self._measure(), rate)
         if self.peak:
             out["train/mfu"] = rate / self.peak
-        self.tokens, self.flops, self.start = 0.0, 0.0, time.perf_counter()
+        self.flops, self.start = 0.0, time.perf_counter()
         return out
