@@ -122,6 +122,16 @@ def check_memory(out: Path, stdout: str) -> None:
     assert "peak above weights" in stdout
 
 
+def check_engine(out: Path, stdout: str) -> None:
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["row"] for r in rows] == ["plain", "ZeRO-0", "ZeRO-1", "ZeRO-2"]
+    assert all(r["median_ms"] > 0 for r in rows) and rows[0]["vs_plain"] == 1.0
+    packages = [r["host_ms_by_package"] for r in rows]
+    assert packages[0]["deepspeed"] == 0 < packages[0]["tpe_train"]
+    assert all(p["deepspeed"] > 0 and p["tpe_train"] > 0 for p in packages[1:])
+    assert "own host time per step" in stdout
+
+
 Check = Callable[[Path, str], None]
 #: script -> (its small mode's arguments, OUT standing for a fresh path; the check of what it wrote)
 SMOKE: dict[str, tuple[list[str], Check]] = {
@@ -134,6 +144,7 @@ SMOKE: dict[str, tuple[list[str], Check]] = {
     "bench_checkpoint.py": (["--smoke", "--json", "OUT"], check_checkpoint),
     "bench_parallel.py": (["--smoke", "--json", "OUT"], check_parallel),
     "bench_memory.py": (["--smoke", "--threads", "1", "--json", "OUT"], check_memory),
+    "bench_engine.py": (["--smoke", "--threads", "1", "--json", "OUT"], check_engine),
     "gpu_attention.py": (["OUT", "--dry-run"], check_gpu_attention),
     "gpu_check.py": (["OUT", "--dry-run"], check_gpu_check),
     "bench_export.py": (["--smoke", "--threads", "1", "--json", "OUT"], check_export),

@@ -116,7 +116,7 @@ def engine_for(cfg: Config, ctx: ParallelContext, ds: dict[str, Any] | None) -> 
     # eps 1e-6, not the paper's 1e-9: some gradients are zero in exact arithmetic (key biases:
     # softmax ignores a constant added to every logit) and are rounding noise of ~1e-10 whose sign
     # depends on the summation order; Adam with eps 1e-9 turns that noise into full +-lr steps.
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.98), eps=1e-6)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.98), eps=1e-6, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     return Engine(
         model, opt, sched, ctx, accumulate=cfg.train.accumulate, clip_norm=cfg.train.clip_norm, deepspeed=ds

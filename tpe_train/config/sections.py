@@ -81,7 +81,7 @@ class ModelConfig(Section):
     pre_norm: bool = False
     """Pre-norm layers (LayerNorm before each sublayer) instead of the paper's post-norm."""
     attention: Literal["auto", "flex", "sdpa", "explicit"] = "auto"
-    """Attention backend. auto: on a GPU flex for t5/alibi/shaw and sdpa otherwise, on the CPU sdpa.
+    """Attention backend. auto: sdpa on every device.
     flex: FlexAttention, the encoding's logit term as its score_mod and padding + causality as one
     BlockMask per batch (no attention dropout; cannot train on the CPU). sdpa: PyTorch's fused SDPA
     kernels (with t5/alibi/shaw a dense float mask). explicit: written-out softmax, the reference.

@@ -87,7 +87,7 @@ def build_engine(cfg: Config, data: Prepared, ctx: ParallelContext, layout: Layo
         betas=cfg.train.adam_betas,
         eps=cfg.train.adam_eps,
         weight_decay=cfg.train.weight_decay,
-        fused=ds_config is None,  # one kernel for all parameters; DeepSpeed's flat partitions: plain
+        fused=True,  # one kernel for all parameters, or for DeepSpeed's flat partitions (bench_engine.py)
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(cfg.train.warmup_steps))
     return Engine(
