@@ -17,9 +17,10 @@ tokens, 4 batches taken in turn):
 
 - ``plain``: ``tpe_train.parallel.engine.Engine`` without a wrapper, as one ``tpe-train`` process trains;
 - ``ZeRO-k``: the same ``Engine`` with DeepSpeed stage k (``configs/deepspeed/zero{k}.json`` through
-  ``deepspeed_config``, prepared by accelerate), one process (world size 1), as ``tpe-launch run`` on
-  one GPU trains. With ``--bf16`` DeepSpeed keeps
-  bf16 weights and the plain row runs under bf16 autocast, as the trainer does.
+  ``deepspeed_config``, prepared by accelerate), one process (world size 1), as ``tpe-launch run
+  --layout gpu_zero1`` trains on one GPU (its default there, ``gpu_single``, is the plain row). With
+  ``--bf16`` DeepSpeed keeps bf16 weights and the plain row runs under bf16 autocast, as the trainer
+  does.
 
 Time: ``--warmup`` untimed steps per row, then ``--steps`` rounds of one timed step per row, the order
 rotated each round (``harness.interleave``: CUDA events on a GPU); median and 90th percentile, and
@@ -163,14 +164,14 @@ def host_time(step: Any, steps: int, device: torch.device) -> dict[str, float]:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
+    if args.device != "cpu" and not torch.cuda.is_available():
+        sys.exit(f"bench_engine.py: --device {args.device}, but torch sees no GPU; run with --device cpu")
     launch_environment(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
     overrides = [f"train.bf16={str(args.bf16).lower()}", *(SMOKE_MODEL if args.smoke else [])]
     cfg = load_config(args.preset, overrides)
     ctx = ParallelContext.from_env(1, deepspeed=True)
-    if args.device != "cpu" and ctx.device.type == "cpu":
-        sys.exit(f"bench_engine.py: --device {args.device}, but torch sees no GPU; run with --device cpu")
     device = ctx.device
     shape = Uniform(size=args.batch, count=4, lo=max(2, args.length // 2), hi=args.length)
     batches = [

@@ -70,8 +70,8 @@ def launch_overrides(ds: Path, steps: int) -> list[str]:
 
 def launch_cmd(py: str, ds: Path, gpus: str, steps: int) -> list[str]:
     """2: tpe-launch run on this node (DeepSpeed ZeRO-1 over nccl, bf16), ``steps`` steps."""
-    return [py, "-m", "launcher.cli", "run", "--nodes", "1", "--gpus-per-node", gpus, *DEMO,
-            *launch_overrides(ds, steps)]  # fmt: skip
+    return [py, "-m", "launcher.cli", "run", "--nodes", "1", "--gpus-per-node", gpus, "--layout", "gpu_zero1",
+            *DEMO, *launch_overrides(ds, steps)]  # fmt: skip
 
 
 def eval_cmd(py: str, demo: Path, device: str) -> list[str]:

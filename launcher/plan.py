@@ -141,9 +141,11 @@ class Layout:
 
     @classmethod
     def default(cls, res: Resources) -> Layout:
-        """GPU nodes: ZeRO-1 (``gpu_zero1``); CPU nodes: DDP over gloo, or one plain process."""
+        """GPU nodes: ZeRO-1 (``gpu_zero1``), one plain process on a single GPU (``gpu_single``: ZeRO has
+        nothing to partition there, and DeepSpeed's engine costs every step); CPU nodes: DDP over
+        gloo, or one plain process."""
         if not res.on_cpu:
-            return cls.load("gpu_zero1")
+            return cls.load("gpu_zero1" if res.processes > 1 else "gpu_single")
         return cls.load("cpu_single" if res.processes == 1 else "cpu_ddp")
 
     def check(self, res: Resources) -> None:

@@ -109,6 +109,21 @@ def test_cpu_command_uses_gloo_layouts_and_ds_accelerator() -> None:
     assert Layout.default(single).name == "cpu_single" and single.processes == 1
 
 
+def test_one_gpu_trains_without_deepspeed_by_default() -> None:
+    """ZeRO has nothing to partition on one rank: one GPU gets one plain process (``gpu_single``), more
+    GPUs ZeRO-1; ``--layout gpu_zero1`` still asks for DeepSpeed on one GPU."""
+    one, two = Resources.build(gpus_per_node=1), Resources.build(nodes=2, gpus_per_node=1)
+    node = NodeEnv.from_env({"PATH": "/bin"})
+    plan = LaunchPlan("demo", [], one, Layout.default(one), node)
+    cmd = plan.command()
+    assert plan.layout.name == "gpu_single" and not plan.layout.deepspeed and not plan.layout.use_cpu
+    assert Path(flag(cmd, "--config_file")).name == "gpu_single.yaml" and flag(cmd, "--num_processes") == "1"
+    assert "--deepspeed_multinode_launcher" not in cmd and "DS_ACCELERATOR" not in plan.env({})
+    assert Layout.default(two).name == "gpu_zero1"
+    asked = LaunchPlan("demo", [], one, Layout.load("gpu_zero1"), node).command()
+    assert Path(flag(asked, "--config_file")).name == "gpu_zero1.yaml"
+
+
 def test_processes_per_node_follow_gpus_or_cpus() -> None:
     assert Resources.build(nodes=3, gpus_per_node=4).processes == 12
     assert Resources.build(nodes=2, cpus_per_node=8).procs_per_node == 8  # one per CPU asked for
