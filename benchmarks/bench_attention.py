@@ -22,7 +22,8 @@ long. Token ids are random (fixed seed); every row sees the same batches in the 
 Rows are grouped by encoding: each group holds ``none`` and one encoding (one model each, shared by
 that model's rows) and interleaves their rows round-robin: every backend of ``--backends``, eager,
 and every backend of ``--compile-backends`` with ``train.compile``'s regional compilation (the first,
-untimed steps pay the compilation). Steps are forward + label-smoothed loss + backward + Adam, fp32
+untimed steps pay the compilation). Steps are forward + label-smoothed loss + backward + the trainer's
+fused Adam (``harness.trainer_optimizer``, every row, Hugging Face rows too), fp32
 (or bf16 autocast with ``--bf16``), dropout as in the preset. Printed per row: target tokens/s, the
 median step, the step against ``none``'s row with the same backend and compilation in the same
 group, the step's memory (GPU: peak allocated; CPU: bytes of the tensors autograd saves for the
@@ -70,6 +71,7 @@ from harness import (
     padded,
     parse_with_smoke,
     shared_data_stub,
+    trainer_optimizer,
     write_json,
 )
 from peers import HF_MATCH, DecodeRow, attn_impl, hf_model
@@ -129,10 +131,6 @@ def eager(model: Transformer, backend: str) -> Callable[[], None]:
         model.eval()
 
     return before
-
-
-def adam(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-9)
 
 
 @dataclass
@@ -261,9 +259,9 @@ def hf_group(
     for kind, hf in HF_MATCH.items():
         model = build(preset, kind, vocab, device)
         common = {"batches": batches, "device": device, "dtype": dtype, "epsilon": eps}
-        rows.append(BackendRow(kind, "auto", False, Shared(model, adam(model)), **common))
+        rows.append(BackendRow(kind, "auto", False, Shared(model, trainer_optimizer(model)), **common))
         peer = hf_model(hf, model_args(preset, kind, vocab))
-        rows.append(TrainRow(f"{hf}/{attn_impl(peer)}", peer, opt=adam(peer), memory=True, **common))
+        rows.append(TrainRow(f"{hf}/{attn_impl(peer)}", peer, memory=True, **common))
     sampler = peak_row(args, preset, vocab, device)
     interleave([*rows, sampler], args.warmup, args.steps, device, "hf", collect="every step")
     return rows, sampler.result()
@@ -287,7 +285,7 @@ def train_group(
     }
     for k in ("none", kind):
         model = build(preset, k, vocab, device)
-        shared = Shared(model, adam(model))
+        shared = Shared(model, trainer_optimizer(model))
         for backend in args.backends:
             rows.append(BackendRow(k, backend, False, shared, **common))
         if args.compile_kinds is None or kind in args.compile_kinds:

@@ -376,6 +376,11 @@ def saved_bytes(device: torch.device) -> Iterator[dict[int, int]]:
         yield saved
 
 
+def trainer_optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    """The trainer's optimizer: fused Adam(W), no weight decay (the presets' ``train.weight_decay``)."""
+    return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-8, fused=True)
+
+
 class TrainRow:
     """One training step of a model on its batches (cycled): forward (a tpe_train ``Transformer`` or a
     Hugging Face encoder-decoder), label-smoothed loss on the logits (the trainer's, HF rows included,
@@ -398,11 +403,7 @@ class TrainRow:
         self.device, self.epsilon, self.record_memory = device, epsilon, memory
         self.model.to(device).train()
         self.hf = not isinstance(model, Transformer)
-        self.opt = (
-            opt
-            if opt is not None
-            else torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-8, fused=True)
-        )
+        self.opt = opt if opt is not None else trainer_optimizer(model)
         self.times: list[float] = []
         self.losses: list[float] = []
         self.memory: list[int] = []
