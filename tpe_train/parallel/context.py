@@ -33,7 +33,7 @@ class ParallelContext:
     tp_group: Any = None  # torch ProcessGroup of this rank's tensor-parallel group (None: tp_size 1)
     dp_group: Any = None  # torch ProcessGroup of this rank's data-parallel group (None: whole world)
     device: torch.device = CPU  # where this rank's model, batches and collectives live
-    host_group: Any = None  # a gloo group of the whole world, for host flags (None: the default group)
+    host_group: Any = None  # a gloo group of the whole world, for host values (None: the default group)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1 or self.world_size % self.tp_size:
@@ -98,11 +98,12 @@ class ParallelContext:
             dist.barrier()
 
     def gather(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj``, in rank order, on every rank."""
+        """Every rank's ``obj``, in rank order, on every rank (pickled through the host group: over
+        nccl each object would go through the GPU)."""
         if not self.distributed:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self.host_group)
         return out
 
     def describe(self) -> str:
@@ -139,8 +140,8 @@ class ParallelContext:
         elif not dist.is_initialized():
             dist.init_process_group(backend=_backend())
         atexit.register(_destroy_process_group)
-        # Host flags (a preemption signal, a run lock) go through gloo on the CPU: through nccl each
-        # would be a copy to the GPU and back, waiting for every kernel queued before it.
+        # Host values (a preemption flag, a run lock, gathered objects) go through gloo on the CPU:
+        # through nccl each would be a copy to the GPU and back, waiting for every kernel queued before it.
         host = dist.new_group(backend="gloo") if world > 1 else None
         if tp_size == 1:
             return dataclasses.replace(probe, host_group=host)
