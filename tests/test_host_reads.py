@@ -15,32 +15,16 @@ from typing import Any
 
 import pytest
 import torch
+from support.batches import reversal_batches
 from support.models import tiny_model
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from tpe_train.config import load_config
-from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
+from tpe_train.data.batching import Batch
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
 from tpe_train.train import step as step_module
 from tpe_train.train.step import StepResult, TokenTally, inverse_sqrt, train_step
-
-
-def micro_batches(g: torch.Generator, n: int) -> list[Batch]:
-    out = []
-    for _ in range(n):
-        lengths = torch.randint(3, 9, (4,), generator=g)
-        rows = [torch.randint(4, 40, (int(k),), generator=g).tolist() for k in lengths]
-        tgt = [[*r[::-1], EOS_ID] for r in rows]
-        out.append(
-            Batch(
-                ids=torch.arange(4),
-                src=pad([[*r, EOS_ID] for r in rows]),
-                tgt_in=pad([t[:-1] for t in tgt], prefix=BOS_ID),
-                tgt_out=pad(tgt),
-            )
-        )
-    return out
 
 
 @pytest.mark.parametrize("chunk", [0, 7])
@@ -50,7 +34,7 @@ def test_optimizer_steps_read_nothing_back_until_their_figures_are_read(chunk: i
     read, and raises there; the same steps with real tensors give finite figures."""
     cfg = load_config("demo", ["train.accumulate=2", f"train.loss_chunk_tokens={chunk}"])
     g = torch.Generator().manual_seed(0)
-    host = [micro_batches(g, 2) for _ in range(3)]
+    host = [reversal_batches(2, g, rows=4, vocab=40, lengths=(3, 9)) for _ in range(3)]
     ctx = ParallelContext.fake()
 
     def steps() -> tuple[StepResult, TokenTally]:

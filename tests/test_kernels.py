@@ -12,10 +12,11 @@ from collections.abc import Iterator
 import pytest
 import torch
 import torch.nn.functional as F
+from support.batches import reversal_batches
 from torch import Tensor
 
 from tpe_train.config import ConfigError, load_config
-from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
+from tpe_train.data.batching import Batch
 from tpe_train.model import kernels
 from tpe_train.model.args import ModelArgs
 from tpe_train.model.transformer import Transformer
@@ -168,23 +169,7 @@ def test_widened_bf16_linear_multiplies_the_bf16_rounded_operands(onednn: bool) 
 
 
 def tiny_batches(n: int) -> list[Batch]:
-    gen = torch.Generator().manual_seed(3)
-    out = []
-    for _ in range(n):
-        src = [
-            torch.randint(4, 64, (int(torch.randint(4, 14, (1,), generator=gen)),), generator=gen).tolist()
-            for _ in range(6)
-        ]
-        tgt = [[*s[::-1], EOS_ID] for s in src]
-        out.append(
-            Batch(
-                ids=torch.arange(6),
-                src=pad([[*s, EOS_ID] for s in src]),
-                tgt_in=pad([t[:-1] for t in tgt], prefix=BOS_ID),
-                tgt_out=pad(tgt),
-            )
-        )
-    return out
+    return reversal_batches(n, torch.Generator().manual_seed(3), rows=6, vocab=64, lengths=(4, 14))
 
 
 def losses_of_20_steps(cpu_gemm: str, bf16: bool = False) -> list[float]:
