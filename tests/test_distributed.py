@@ -69,6 +69,7 @@ def test_tensor_parallel_2_equals_1_for_every_encoding(tmp_path: Path) -> None:
     assert sorted(result) == sorted([*kinds, "sinusoidal+dropout", "sinusoidal+onednn"])
     for kind, r in result.items():
         assert r["tp_size"] == 2
+        assert r["logit_widths"] == [32], r["logit_widths"]  # each rank scores 32 of the harness's 64 words
         assert relative(r["loss"], r["ref_loss"]) < 1e-5, (kind, r)
         assert relative(r["grad_norm"], r["ref_grad_norm"]) < 1e-5, (kind, r)
         assert r["param_diff"] < 1e-5, (kind, r["worst"])  # after the optimizer step, shards gathered

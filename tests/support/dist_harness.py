@@ -39,12 +39,13 @@ from tpe_train.ckpt.holdings import full_weights
 from tpe_train.config import Config, load_config
 from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
 from tpe_train.model.kernels import set_cpu_gemm
+from tpe_train.parallel import vocab
 from tpe_train.parallel.checkpointing import apply_activation_checkpointing
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layout
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report, optimizer_state_bytes
-from tpe_train.parallel.plan import shard_positions
+from tpe_train.parallel.plan import apply_tensor_parallel
 from tpe_train.run.exits import end_process
 from tpe_train.train.step import batch_loss, train_step
 
@@ -108,7 +109,7 @@ def engine_for(cfg: Config, ctx: ParallelContext, ds: dict[str, Any] | None) -> 
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
     model = model_for(cfg)
-    shard_positions(model, ctx)
+    apply_tensor_parallel(model, ctx)
     model.train()
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing)  # none: nothing
     if cfg.train.compile:
@@ -135,6 +136,14 @@ def worst(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[Any]:
 
 def tp_check(kinds: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
+    widths: list[int] = []  # the width of every block of logits the vocabulary-parallel loss scores
+    real = vocab._VocabParallelCE.apply
+
+    def recorded(logits: torch.Tensor, *rest: Any) -> Any:
+        widths.append(logits.shape[-1])
+        return real(logits, *rest)
+
+    vocab._VocabParallelCE.apply = recorded  # type: ignore[method-assign]
     ctx = None
     # "+dropout": residual dropout 0.1, applied to activations every TP rank holds whole. The ranks
     # share one RNG stream, so they draw the same masks, which are also the single process's masks.
@@ -147,6 +156,7 @@ def tp_check(kinds: list[str]) -> dict[str, Any]:
         b = batch(1)
         sharded = engine_for(cfg, ctx, deepspeed_config(cfg, layout))
         torch.manual_seed(1)
+        widths.clear()
         stats = train_step(sharded, [b], cfg, ctx, cast=False).read(ctx)
         after = full_weights(sharded)
         plain = engine_for(cfg, ParallelContext.fake(), None)
@@ -158,6 +168,7 @@ def tp_check(kinds: list[str]) -> dict[str, Any]:
             "memory": memory(sharded, ctx, layout),
             "ref_memory": memory(plain, ParallelContext.fake(), None),
             "tp_size": ctx.tp_size,
+            "logit_widths": sorted(set(widths)),  # the vocabulary-parallel loss's logits per rank
             "loss": stats["loss"],
             "ref_loss": ref["loss"],
             "grad_norm": stats["grad_norm"],

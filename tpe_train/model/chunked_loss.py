@@ -17,6 +17,7 @@ chunks' sums are added, and the output weight's gradient is a sum over chunks. W
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,18 +27,25 @@ from torch.utils.checkpoint import checkpoint
 from tpe_train.model.kernels import linear
 from tpe_train.model.loss import label_smoothed_loss
 
+#: a chunk's scoring: (h, weight, target, pad_id, epsilon) -> (loss, nll) sums
+Score = Callable[[Tensor, Tensor, Tensor, int, float], tuple[Tensor, Tensor]]
+
 
 @dataclass(frozen=True, eq=False)
 class ChunkedLoss:
     """``head(h, weight)``: the sums of ``label_smoothed_loss`` (loss, nll without gradient, target
     tokens) of the logits ``h @ weight.T``, ``tokens`` rows of them at a time. ``target``: (B, L) with
-    ``pad_id`` at padding; ``grad_scale``: the factor of the loss in the backward that follows."""
+    ``pad_id`` at padding; ``grad_scale``: the factor of the loss in the backward that follows;
+    ``score``: another way to score a chunk (the vocabulary-parallel loss under tensor parallelism,
+    which the model does not know of); not compared by ``==``: it differs between ranks by design."""
 
     target: Tensor
     pad_id: int
     epsilon: float
-    tokens: int
+    tokens: int  # 0: all rows in one chunk
     grad_scale: float | Tensor = 1.0
+    score: Score | None = None  # (h, weight, target, pad_id, epsilon) -> (loss, nll) sums of a chunk
+    recompute: bool = True  # each chunk's logits made again in the backward instead of kept
 
     def __eq__(self, other: object) -> bool:
         """The same targets scored the same way (DeepSpeed's AutoTP compares a forward's arguments
@@ -57,10 +65,11 @@ class ChunkedLoss:
     def __call__(self, h: Tensor, weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         rows = h.reshape(-1, h.shape[-1])
         target = self.target.reshape(-1)
-        recompute = torch.is_grad_enabled()
+        recompute = torch.is_grad_enabled() and self.recompute
+        size = self.tokens or max(rows.shape[0], 1)
         loss = nll = None
-        for start in range(0, max(rows.shape[0], 1), self.tokens):
-            part = slice(start, start + self.tokens)
+        for start in range(0, max(rows.shape[0], 1), size):
+            part = slice(start, start + size)
             if recompute:  # no randomness in a chunk: no RNG state to keep
                 terms = checkpoint(
                     self._chunk,
@@ -78,6 +87,8 @@ class ChunkedLoss:
         return loss, nll.detach(), (target != self.pad_id).sum()
 
     def _chunk(self, h: Tensor, weight: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+        if self.score is not None:
+            return self.score(h, weight, target, self.pad_id, self.epsilon)
         loss, nll, _ = label_smoothed_loss(
             linear(h, weight), target, self.pad_id, self.epsilon, self.grad_scale
         )

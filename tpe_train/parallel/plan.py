@@ -92,13 +92,28 @@ def mark_split(param: Tensor, dim: int) -> None:
     param.tp_dim = dim  # type: ignore[attr-defined]
 
 
-def _sum_over(group: Any) -> Any:
+def sum_over(group: Any) -> Any:
+    """A gradient hook: the gradient summed over ``group``."""
+
     def hook(grad: Tensor) -> Tensor:
         grad = grad.contiguous()
         dist.all_reduce(grad, group=group)
         return grad
 
     return hook
+
+
+def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> None:
+    """Apply the position and vocabulary parts of the plan in place (before the optimizer is built):
+    the position tables as their encodings declare, and the tied embedding's gradient for the
+    vocabulary-parallel output layer (``parallel/vocab.py``; ``train_step`` takes the loss that way
+    under tensor parallelism)."""
+    if ctx.tp_size == 1:
+        return
+    from tpe_train.parallel.vocab import scale_lookup_gradient
+
+    scale_lookup_gradient(getattr(model, "embed"), ctx)  # noqa: B009 - the model's tied embedding
+    shard_positions(model, ctx)
 
 
 def shard_positions(model: nn.Module, ctx: ParallelContext) -> None:
@@ -117,7 +132,7 @@ def shard_positions(model: nn.Module, ctx: ParallelContext) -> None:
             module.table = PositionParallelEmbedding(table, ctx)
         else:
             for param in module.parameters():
-                param.register_hook(_sum_over(ctx.tp_group))
+                param.register_hook(sum_over(ctx.tp_group))
 
 
 def split_dim(name: str, param: Tensor) -> int | None:

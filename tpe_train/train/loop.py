@@ -32,7 +32,7 @@ from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layout
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report
-from tpe_train.parallel.plan import shard_positions
+from tpe_train.parallel.plan import apply_tensor_parallel
 from tpe_train.run import lock as run_lock
 from tpe_train.run.exits import EXIT_PREEMPTED
 from tpe_train.train import batch_size, selection
@@ -73,7 +73,7 @@ def prepare_data(cfg: Config, ctx: ParallelContext) -> Prepared:
 def build_engine(cfg: Config, data: Prepared, ctx: ParallelContext, layout: Layout) -> Engine:
     """Model (same initial weights on every rank), position shards, optimizer, schedule, engine."""
     model = build_model(cfg, data.tokenizer)
-    shard_positions(model, ctx)
+    apply_tensor_parallel(model, ctx)
     model.to(ctx.device).train()
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing, cfg.train.checkpoint_every)
     if cfg.train.compile:

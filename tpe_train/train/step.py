@@ -22,11 +22,12 @@ from tpe_train.data.batching import PAD_ID, Batch, BatchIterator, collate, lengt
 from tpe_train.data.corpus import pairs_of
 from tpe_train.evaluation import metrics
 from tpe_train.evaluation.decoding import DecodeOptions, decode_sentences
-from tpe_train.model.chunked_loss import ChunkedLoss
+from tpe_train.model.chunked_loss import ChunkedLoss, Score
 from tpe_train.model.loss import label_smoothed_loss
 from tpe_train.model.transformer import Transformer
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
+from tpe_train.parallel.vocab import VocabParallelScore
 
 
 def inverse_sqrt(warmup: int) -> Any:
@@ -52,15 +53,23 @@ def autocast(enabled: bool, device: torch.device) -> contextlib.AbstractContextM
 
 
 def batch_terms(
-    model: Any, batch: Batch, cfg: Config, cast: bool, grad_scale: float | torch.Tensor = 1.0
+    model: Any,
+    batch: Batch,
+    cfg: Config,
+    cast: bool,
+    grad_scale: float | torch.Tensor = 1.0,
+    score: Score | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed smoothed loss, summed nll, target tokens) of one batch as tensors on the batch's
     device, nothing read back to the host; ``cast``: bf16 autocast; ``grad_scale``: the factor of
-    the loss in the backward that follows."""
+    the loss in the backward that follows; ``score``: how the output layer and loss are taken (the
+    vocabulary-parallel loss under tensor parallelism; default: all logits on this rank)."""
     smoothing, chunk = cfg.train.label_smoothing, cfg.train.loss_chunk_tokens
     with autocast(cast, batch.src.device):
-        if chunk:  # the output layer and the loss chunk by chunk, recomputed in the backward
-            head = ChunkedLoss(batch.tgt_out, PAD_ID, smoothing, chunk, grad_scale)
+        if chunk or score is not None:  # chunk by chunk, recomputed in the backward (chunk > 0)
+            head = ChunkedLoss(
+                batch.tgt_out, PAD_ID, smoothing, chunk, grad_scale, score, recompute=chunk > 0
+            )
             loss, nll, ntok = model(batch.src, batch.tgt_in, head)
             return loss, nll, ntok
         logits = model(batch.src, batch.tgt_in)
@@ -151,8 +160,9 @@ def train_step(
     scale = scale64.float()  # what a Python float factor of the fp32 loss was rounded to
     seen = (scale64 / cfg.train.accumulate).float()  # every engine divides by ``accumulate``
     sums: torch.Tensor | None = None  # (loss, nll) summed in float64 on the device
+    score = VocabParallelScore(ctx) if ctx.tp_size > 1 else None  # the output layer split by words
     for batch in batches:
-        loss, nll, _ = batch_terms(engine.forward, batch, cfg, cast, seen)
+        loss, nll, _ = batch_terms(engine.forward, batch, cfg, cast, seen, score)
         engine.backward(loss * scale)
         both = torch.stack([loss.detach(), nll.detach()]).to(torch.float64)
         sums = both if sums is None else sums + both
