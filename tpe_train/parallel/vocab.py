@@ -13,13 +13,14 @@ rank's block of rows, so the weight's gradient from the output layer is that blo
 group sums the weight's gradient (as for Shaw's shared tables). The input lookup's gradient, the same
 on every rank, is divided by t before that sum so that it counts once (``scale_lookup_gradient``).
 The decoder's output h is whole on every rank; each rank's logits give only part of h's gradient, so
-h passes through ``_ToGroup`` (identity forward, gradient summed over the group backward).
+h passes through an identity whose backward sums the gradient over the group.
 
 Validation, decoding and exports compute all V logits from the whole embedding as before.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,20 +32,17 @@ from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.plan import sum_over
 
 
-class _ToGroup(torch.autograd.Function):
-    """Forward: identity. Backward: the gradient summed over the group (each rank's block of logits
-    contributes part of the gradient of the input every rank holds whole)."""
+class _OnGradient(torch.autograd.Function):
+    """Forward: identity. Backward: ``change(grad)`` (a sum over the group, a scaling)."""
 
     @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        ctx.group = group
+    def forward(ctx: Any, x: Tensor, change: Callable[[Tensor], Tensor]) -> Tensor:
+        ctx.change = change
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return ctx.change(grad), None
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -110,7 +108,7 @@ class VocabParallelScore:
         rows = -(-vocab // self.size)  # the last rank's block may be shorter
         start = min(self.rank * rows, vocab)
         block = weight[start : start + rows]
-        logits = F.linear(_ToGroup.apply(h, self.group), block)
+        logits = F.linear(_OnGradient.apply(h, sum_over(self.group)), block)  # h's gradient: all blocks'
         loss, nll = _VocabParallelCE.apply(logits, target, start, vocab, epsilon, pad_id, self.group)
         return loss, nll
 
@@ -123,20 +121,7 @@ def scale_lookup_gradient(embedding: nn.Module, ctx: ParallelContext) -> None:
     factor = 1.0 / ctx.tp_size
 
     def scaled(module: nn.Module, inputs: Any, out: Tensor) -> Tensor:
-        return _Scale.apply(out, factor)
+        return _OnGradient.apply(out, lambda grad: grad * factor)
 
     embedding.register_forward_hook(scaled)
     weight.register_hook(sum_over(ctx.tp_group))
-
-
-class _Scale(torch.autograd.Function):
-    """Forward: identity. Backward: the gradient times ``factor``."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, factor: float) -> Tensor:
-        ctx.factor = factor
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad * ctx.factor, None
