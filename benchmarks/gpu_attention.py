@@ -202,7 +202,9 @@ def profile(device: torch.device, gpu: bool, log: Log) -> str:
 
 
 def summary(bench: dict[str, Any]) -> list[tuple[bool, str]]:
-    """The issue's GPU goals from bench_attention's JSON."""
+    """The GPU goals bench_attention's JSON can show, each (met, text): every encoding's best step
+    within 1.10x of ``none``'s; flex's step memory against the dense mask; compiled >= 1.3x eager;
+    MFU >= 40%; with Hugging Face rows, each encoding >= 1.3x its Hugging Face peer."""
     rows = bench["train"]
     checks: list[tuple[bool, str]] = []
     eager = [r for r in rows if not r["compiled"]]
@@ -238,6 +240,12 @@ def summary(bench: dict[str, Any]) -> list[tuple[bool, str]]:
     best_mfu = max(rows, key=lambda r: r["mfu"])
     mfu = f"best MFU {100 * best_mfu['mfu']:.1f}% ({best_mfu['row']})"
     checks.append((best_mfu["mfu"] >= 0.4, f"{mfu} of the matmul peak measured in the run (goal >= 40%)"))
+    hf = bench.get("hf") or []
+    for ours, peer in zip(hf[0::2], hf[1::2], strict=True):  # tpe's row, then its peer's
+        speed = ours["vs_hf"]
+        checks.append(
+            (speed >= 1.3, f"{ours['row']}: {speed:.2f}x the speed of {peer['row']} (goal >= 1.3x)")
+        )
     return checks
 
 

@@ -106,6 +106,17 @@ def check_gpu_check(out: Path, stdout: str) -> None:
     assert stdout.count("PASS dry run") == 5 and "all passed" in stdout
 
 
+def check_gpu_scale(out: Path, stdout: str) -> None:
+    assert sorted(p.name for p in out.iterdir()) == [
+        "batch.json", "engine.json", "log.txt", "memory.json", "summary.txt"
+    ]  # fmt: skip
+    summary = (out / "summary.txt").read_text()
+    assert "NOT MEASURED" not in summary and "dry run" in summary
+    for goal in ("layers/chunks of 16 peak", "ZeRO-1", "ZeRO-2", "best MFU", "the speed of hf-marian"):
+        assert goal in summary, goal
+    assert "against Hugging Face" in (out / "log.txt").read_text()  # part 3's table, teed
+
+
 def check_export(out: Path, stdout: str) -> None:
     figures = json.loads(out.read_text())
     assert [r["name"] for r in figures["rows"]] == ["tpe-translate", "hf-generate", "ct2-float32", "ct2-int8"]
@@ -147,6 +158,7 @@ SMOKE: dict[str, tuple[list[str], Check]] = {
     "bench_engine.py": (["--smoke", "--threads", "1", "--json", "OUT"], check_engine),
     "gpu_attention.py": (["OUT", "--dry-run"], check_gpu_attention),
     "gpu_check.py": (["OUT", "--dry-run"], check_gpu_check),
+    "gpu_scale.py": (["OUT", "--dry-run"], check_gpu_scale),
     "bench_export.py": (["--smoke", "--threads", "1", "--json", "OUT"], check_export),
 }
 
