@@ -21,7 +21,7 @@ from tpe_train.evaluation.evaluate import EvalFiles, concatenated, config_sets
 from tpe_train.evaluation.metrics import paired_bootstrap
 from tpe_train.study import extrapolate as ex
 from tpe_train.study.cli import main
-from tpe_train.study.grid import Study, parse_setting
+from tpe_train.study.grid import Study, StudyError, parse_setting
 from tpe_train.study.position_methods import Method, methods_of
 
 pytestmark = pytest.mark.slow
@@ -244,6 +244,28 @@ def test_exports_given_one_by_one_from_a_study_layout_pool_as_the_study_does(tmp
                     ("rope-3", "rope-3", None), ("alibi", "alibi", None)]  # fmt: skip
 
 
+def test_labels_given_with_the_checkpoints_name_their_rows(
+    study: Study, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--label: each export its own row of that name, a study's layout included; a wrong count, a
+    repeated label or one that cannot name a folder is an error before anything runs."""
+    out = tmp_path / "out"
+    argv = ["--checkpoint", str(export(study, "rope", 1)), "--label", "rope-long", "--methods", "rope-yarn"]
+    assert main(["extrapolate", *argv, "--dry-run", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.startswith("rope-long (")  # the plan's row, not rope-s1
+    paths = [tmp_path / "study" / "runs" / "s1" / "rope" / "checkpoint", tmp_path / "b" / "checkpoint"]
+    rows = [(label, row, seed) for _, label, row, seed in ex.checkpoint_rows(paths, ["long", "short-1.5"])]
+    assert rows == [("long", "long", None), ("short-1.5", "short-1.5", None)]
+    for labels, message in (
+        (["one"], "1 --label for 2 --checkpoint"),
+        (["same", "same"], "'same' is given twice"),
+        (["a/b", "c"], "'a/b' is not a usable name"),
+        ([".hidden", "c"], "'.hidden' is not a usable name"),
+    ):
+        with pytest.raises(StudyError, match=re.escape(message)):
+            ex.checkpoint_rows(paths, labels)
+
+
 def test_bad_input_stops_before_any_decoding(
     study: Study, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -262,6 +284,8 @@ def test_bad_input_stops_before_any_decoding(
         (["--checkpoint", rope, "--split", "dev"], ["no split 'dev'"]),
         ([str(tmp_path)], ["is not a study directory"]),
         ([], ["give a study directory or --checkpoint"]),
+        (["--checkpoint", rope, "--label", "a", "--label", "b"], ["2 --label for 1 --checkpoint"]),
+        ([str(tmp_path), "--label", "a"], ["--label names --checkpoint exports"]),
     ]  # fmt: skip
     for argv, messages in cases:
         assert main(["extrapolate", *argv, "--out", str(out)]) == 2, argv

@@ -219,6 +219,13 @@ def extrapolate_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--checkpoint", action="append", default=[], help="an export (repeatable), instead of a study"
     )
+    p.add_argument(
+        "--label",
+        action="append",
+        default=[],
+        help="the name of the --checkpoint in the same place, in the report and its cells (repeatable: "
+        "one per --checkpoint; default: from each path)",
+    )
     p.add_argument("--out", default=None, help="where cells and report go (default STUDY/extrapolate, or "
                    "runs/extrapolate for --checkpoint)")  # fmt: skip
     p.add_argument(
@@ -280,6 +287,8 @@ def cmd_extrapolate(argv: list[str]) -> int:
     args = extrapolate_parser().parse_args(argv)
     if (args.study_dir is None) == (not args.checkpoint):
         raise StudyError("give a study directory or --checkpoint PATH (repeatable), one of the two")
+    if args.label and not args.checkpoint:
+        raise StudyError("--label names --checkpoint exports; a study's runs keep their study labels")
     if len(args.src) != len(args.ref):
         raise StudyError(
             f"{len(args.src)} --src but {len(args.ref)} --ref; give each source file its reference"
@@ -296,7 +305,7 @@ def cmd_extrapolate(argv: list[str]) -> int:
         checkpoints: list[tuple[Path, str, str, int | None]] = list(ex.study_exports(study))
         out = Path(args.out) if args.out else study.root / "extrapolate"
     else:
-        checkpoints = ex.checkpoint_rows([Path(c) for c in args.checkpoint])
+        checkpoints = ex.checkpoint_rows([Path(c) for c in args.checkpoint], args.label)
         out = Path(args.out or "runs/extrapolate")
     try:
         device = device_from_arg(args.device)

@@ -136,11 +136,17 @@ def label_of(path: Path, taken: set[str]) -> str:
     return unique
 
 
-def checkpoint_rows(paths: list[Path]) -> list[tuple[Path, str, str, int | None]]:
-    """(export, label, row, seed) of exports given one by one (``--checkpoint``). An export inside a
+def checkpoint_rows(
+    paths: list[Path], labels: list[str] | None = None
+) -> list[tuple[Path, str, str, int | None]]:
+    """(export, label, row, seed) of exports given one by one (``--checkpoint``). With ``labels`` (one
+    per path, ``--label``), each export is its own row of that name. Without: an export inside a
     study's layout (``STUDY/runs/s<seed>/<setting>/<export>``) is labelled and pooled as the study
     does: ``<setting>-s<seed>`` in the row ``<setting>`` (the first export of each setting and seed;
     another of the same run is its own row). Any other export is its own row (``label_of``)."""
+    if labels:
+        check_labels(labels, len(paths))
+        return [(path, label, label, None) for path, label in zip(paths, labels, strict=True)]
     found: list[tuple[Path, str | None, str | None, int | None]] = []
     runs: set[tuple[str, int]] = set()
     for path in paths:
@@ -160,6 +166,24 @@ def checkpoint_rows(paths: list[Path]) -> list[tuple[Path, str, str, int | None]
         assert row is not None
         rows.append((path, label, row, seed))
     return rows
+
+
+def check_labels(labels: list[str], checkpoints: int) -> None:
+    """``--label``: one per ``--checkpoint``, distinct, usable as a file name (cells are kept under it)."""
+    if len(labels) != checkpoints:
+        raise StudyError(
+            f"{len(labels)} --label for {checkpoints} --checkpoint: give each checkpoint its label, in "
+            "the same order, or none (labels then come from the paths)"
+        )
+    bad = [label for label in labels if not re.fullmatch(r"[\w.+-]+", label) or label.startswith(".")]
+    if bad:
+        raise StudyError(
+            f"--label {bad[0]!r} is not a usable name: labels name folders of the output, so use letters, "
+            "digits and . _ + - (not starting with .)"
+        )
+    repeated = sorted({label for label in labels if labels.count(label) > 1})
+    if repeated:
+        raise StudyError(f"--label {repeated[0]!r} is given twice: each checkpoint's label must be its own")
 
 
 def study_exports(study: Study) -> list[tuple[Path, str, str, int]]:
