@@ -151,9 +151,22 @@ class Stack(nn.Module):
         """Compile each layer's training forward (and so its backward) with ``torch.compile``
         (regional compilation: the layers of a stack share their compiled code). Shapes are dynamic
         from the start: token-bucket batches change batch size and length at every step, and static
-        shapes would compile twice before settling. Evaluation and decoding keep the eager layers."""
+        shapes would compile twice before settling. Evaluation and decoding keep the eager layers.
+
+        One ``Layer.forward`` serves both stacks, and dynamic shapes still specialise a few cases
+        (encoder or decoder, a padding mask or none, a batch or a length of 1, equal source and target
+        lengths): 12 graphs on batches that cover them, more than torch's default ``recompile_limit``
+        of 8, past which a new case would run eager for the rest of the run. The limit is raised to
+        ``RECOMPILE_LIMIT`` (never lowered)."""
+        dynamo = torch._dynamo.config
+        dynamo.recompile_limit = max(dynamo.recompile_limit, RECOMPILE_LIMIT)
         options = {"dynamic": True, **options}
         self.__dict__["_compiled"] = [torch.compile(layer, **options) for layer in self.layers]
+
+
+#: ``torch._dynamo.config.recompile_limit`` under ``compile_layers``: the compiled layer's cases with
+#: room to spare (each costs one compilation, only when a batch first needs it)
+RECOMPILE_LIMIT = 32
 
 
 @dataclass
