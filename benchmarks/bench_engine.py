@@ -182,9 +182,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rows = []
     for name, stage in [("plain", None), *((f"ZeRO-{s}", s) for s in stages)]:
         eng, turn = engine(cfg, ctx, stage, args.deepspeed_adamw == "fused"), iter(range(10**9))
-        cast = args.bf16 and not eng.uses_deepspeed  # DeepSpeed holds bf16 weights itself
+        cast = torch.bfloat16 if args.bf16 and not eng.uses_deepspeed else None  # DeepSpeed: bf16 weights
 
-        def step(eng: Engine = eng, turn: Any = turn, cast: bool = cast) -> None:
+        def step(eng: Engine = eng, turn: Any = turn, cast: torch.dtype | None = cast) -> None:
             train_step(eng, [batches[next(turn) % len(batches)]], cfg, ctx, cast)
 
         rows.append(FnRow(name, step))

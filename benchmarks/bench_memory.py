@@ -80,7 +80,7 @@ class Row:
         if mode != "none":
             apply_activation_checkpointing(self.model, mode, self.cfg.train.checkpoint_every)
         self.batch = random_batch(self.cfg, args, device)
-        self.cast, self.device = args.bf16, device
+        self.cast, self.device = torch.bfloat16 if args.bf16 else None, device
         self.times: list[float] = []
 
     def step(self) -> None:

@@ -112,6 +112,26 @@ def test_n_steps_resume_n_steps_equals_2n_steps_bitwise(whole: Path, tmp_path: P
     assert samples(whole) == samples(halves)  # the same batches, in the same order
 
 
+def test_fp16_resume_keeps_the_loss_scale_and_is_bitwise(tmp_path: Path) -> None:
+    """train.fp16 without DeepSpeed: a first scale that overflows (skipped updates, the scale halved)
+    and a window of 3 (the scale doubled): 6 + 6 steps give 12 steps' weights, Adam state and loss
+    scale bitwise, so the scale and its growth count came back from the checkpoint."""
+    fp16 = ["train.fp16=true", "train.loss_scale_power=20", "train.loss_scale_window=3", "train.save_every=0"]
+    fp16.append("data.max_tokens=512")  # fp16 products are slow on a CPU
+    whole, halves = tmp_path / "whole", tmp_path / "halves"
+    train(whole, *fp16, "train.max_steps=12")
+    train(halves, *fp16, "train.max_steps=6")
+    train(halves, *fp16, "train.max_steps=12")
+    step12 = [run / "checkpoints/step-00000012" for run in (whole, halves)]
+    for moments in (False, True):
+        a, b = (weights(p, moments) for p in step12)
+        assert a and all(torch.equal(a[k], b[k]) for k in a)
+    trainer = [json.loads((p / "trainer.json").read_text()) for p in step12]
+    assert trainer[0]["loss_scaler"] == trainer[1]["loss_scaler"]
+    assert trainer[0]["adam_steps"] < 12  # overflows skipped some updates
+    assert trainer[0]["loss_scaler"]["cur_scale"] not in (2.0**20, 2.0**19)  # halved, then grown
+
+
 def test_preemption_saves_and_exits_for_requeue_and_the_rerun_finishes(tmp_path: Path) -> None:
     run = tmp_path / "run"
     cmd = [sys.executable, "-m", "tpe_train.train", *SMALL, f"train.run_dir={run}", "train.max_steps=400"]

@@ -4,6 +4,7 @@ ZeRO 1-3 and AutoTP. Each test launches real processes (about 10 s each) and ass
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -130,6 +131,31 @@ def test_plain_ddp_with_two_ranks_follows_one_process(tmp_path: Path) -> None:
         assert relative(step["grad_norm"], step["ref_grad_norm"]) < 1e-6, step
         assert step["param_diff"] < 1e-6, step
     assert result["steps"][-1]["moved"] > 40 * 1e-6  # the parameters move, so the comparison can fail
+
+
+def test_fp16_ddp_with_two_ranks_follows_one_process(tmp_path: Path) -> None:
+    """train.fp16 without DeepSpeed under DDP: torch's loss scaling on 2 ranks follows one process with
+    the whole batch over 10 steps, through the skipped updates of a first scale that overflows and of
+    the scale's growth every 2 steps: the same steps are skipped (an overflow on one rank reaches the
+    other in the averaged gradient), the scale ends the same, the losses agree within 1e-4 and the
+    gradient norms of the updates within 1e-2 (relative). Parameters are not compared element by
+    element: Adam's first updates move every element by about lr whatever its gradient's size, and
+    elements whose gradient is at fp16's rounding noise (a power-of-2 scale apart between the two:
+    one process divides by its 2 accumulated batches before the backward) move in opposite
+    directions (measured: 1.5e-4 apart after the first update, lr 1e-4)."""
+    out = tmp_path / "ddp.json"
+    launch(ROOT / "configs/accelerate/cpu_ddp.yaml", [str(HARNESS), "zero", str(out), "10", "fp16"], tmp_path)
+    result = json.loads(out.read_text())
+    assert result["dp_size"] == 2 and result["zero_stage"] is None
+    steps = result["steps"]
+    skipped = [not math.isfinite(step["grad_norm"]) for step in steps]
+    assert skipped == [not math.isfinite(step["ref_grad_norm"]) for step in steps]
+    assert skipped[0] and not all(skipped), steps  # an overflow first, then updates
+    for step, skip in zip(steps, skipped, strict=True):
+        assert relative(step["loss"], step["ref_loss"]) < 1e-4, step
+        assert skip or relative(step["grad_norm"], step["ref_grad_norm"]) < 1e-2, step
+    assert result["loss_scale"] == result["ref_loss_scale"]
+    assert steps[-1]["moved"] > 0 and steps[0]["moved"] == 0  # a skipped first step moves nothing
 
 
 @pytest.mark.parametrize("launch_file", ["ddp", "zero1", "zero2"])

@@ -45,7 +45,7 @@ def test_optimizer_steps_read_nothing_back_until_their_figures_are_read(chunk: i
         engine = Engine(model, opt, sched, ctx, accumulate=2, clip_norm=1.0, deepspeed=None)
         tally = TokenTally()
         for micro in batches:
-            result = train_step(engine, micro, cfg, ctx, cast=False)
+            result = train_step(engine, micro, cfg, ctx, cast=None)
             tally.add(result.tokens)
         return result, tally
 

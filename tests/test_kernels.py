@@ -183,7 +183,10 @@ def losses_of_20_steps(cpu_gemm: str, bf16: bool = False) -> list[float]:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ctx = ParallelContext.fake()
     engine = Engine(model, opt, sched, ctx, accumulate=1, clip_norm=1.0, deepspeed=None)
-    return [train_step(engine, [b], cfg, ctx, cast=bf16).read(ctx)["loss"] for b in tiny_batches(20)]
+    return [
+        train_step(engine, [b], cfg, ctx, cast=torch.bfloat16 if bf16 else None).read(ctx)["loss"]
+        for b in tiny_batches(20)
+    ]
 
 
 def test_20_training_steps_through_onednn_give_the_losses_of_pytorchs_kernels(cpu_gemm: None) -> None:

@@ -148,7 +148,12 @@ def test_a_setting_with_two_owners_is_refused(
             4,
             "set one",
         ),
-        (["train.fp16=true"], {"zero_optimization": {"stage": 2}}, 2, "train.fp16 needs DeepSpeed on GPUs"),
+        (
+            ["train.fp16=true"],
+            {"zero_optimization": {"stage": 2}},
+            2,
+            "train.fp16 under DeepSpeed needs GPUs",
+        ),
         (["model.attention=flex"], None, 1, "model.attention=flex cannot train on the CPU"),
         (["train.compile=true"], {"zero_optimization": {"stage": 3}}, 2, "train.compile=true .* ZeRO-3"),
         (

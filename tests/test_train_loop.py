@@ -32,7 +32,7 @@ def one_step(micro: list[Batch], accumulate: int) -> tuple[dict[str, float], lis
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ctx = ParallelContext.fake()
     engine = Engine(model, opt, sched, ctx, accumulate=accumulate, clip_norm=0.0, deepspeed=None)
-    stats = train_step(engine, micro, cfg, ctx, cast=False).read(ctx)
+    stats = train_step(engine, micro, cfg, ctx, cast=None).read(ctx)
     return stats, [p.detach().clone() for p in model.parameters()]
 
 

@@ -47,7 +47,7 @@ from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report, optimizer_state_bytes
 from tpe_train.parallel.plan import apply_tensor_parallel
 from tpe_train.run.exits import end_process
-from tpe_train.train.step import batch_loss, train_step
+from tpe_train.train.step import autocast_dtype, batch_loss, train_step
 
 VOCAB = 64
 
@@ -119,8 +119,17 @@ def engine_for(cfg: Config, ctx: ParallelContext, ds: dict[str, Any] | None) -> 
     # depends on the summation order; Adam with eps 1e-9 turns that noise into full +-lr steps.
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.98), eps=1e-6, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    fp16 = cfg.train.fp16 and ds is None  # torch's loss scaling, as the trainer's build_engine
     return Engine(
-        model, opt, sched, ctx, accumulate=cfg.train.accumulate, clip_norm=cfg.train.clip_norm, deepspeed=ds
+        model,
+        opt,
+        sched,
+        ctx,
+        accumulate=cfg.train.accumulate,
+        clip_norm=cfg.train.clip_norm,
+        deepspeed=ds,
+        loss_scale=2.0**cfg.train.loss_scale_power if fp16 else None,
+        scale_window=cfg.train.loss_scale_window,
     )
 
 
@@ -157,11 +166,11 @@ def tp_check(kinds: list[str]) -> dict[str, Any]:
         sharded = engine_for(cfg, ctx, deepspeed_config(cfg, layout))
         torch.manual_seed(1)
         widths.clear()
-        stats = train_step(sharded, [b], cfg, ctx, cast=False).read(ctx)
+        stats = train_step(sharded, [b], cfg, ctx, cast=None).read(ctx)
         after = full_weights(sharded)
         plain = engine_for(cfg, ParallelContext.fake(), None)
         torch.manual_seed(1)
-        ref = train_step(plain, [b], cfg, ParallelContext.fake(), cast=False).read(ParallelContext.fake())
+        ref = train_step(plain, [b], cfg, ParallelContext.fake(), cast=None).read(ParallelContext.fake())
         out[name] = {
             "onednn_nodes": onednn_nodes(sharded, b),
             "ref_onednn_nodes": onednn_nodes(plain, b),
@@ -215,8 +224,8 @@ def tp_flex_check(kinds: list[str]) -> dict[str, Any]:
         ref_cfg = config(kind, extra=("model.position.shaw_values=false", "model.attention=explicit"))
         plain = engine_for(ref_cfg, ParallelContext.fake(), None)
         with torch.no_grad():
-            _, nll, ntok = batch_loss(sharded.forward, b, cfg, cast=False)
-            _, ref_nll, _ = batch_loss(plain.forward, b, ref_cfg, cast=False)
+            _, nll, ntok = batch_loss(sharded.forward, b, cfg, cast=None)
+            _, ref_nll, _ = batch_loss(plain.forward, b, ref_cfg, cast=None)
         out[kind] = {"tp_size": ctx.tp_size, "nll": float(nll) / ntok, "ref_nll": float(ref_nll) / ntok}
     return out
 
@@ -226,20 +235,28 @@ def lockstep(
 ) -> Iterator[tuple[dict[str, float], dict[str, float], float]]:
     """Each step: this rank's share of the global batch through the sharded engine, the whole batch
     through one plain process; yields both steps' figures and the largest parameter difference."""
+    cast, ref_cast = autocast_dtype(cfg, sharded.uses_deepspeed), autocast_dtype(cfg2, False)
     for step in range(steps):
         halves = [batch(100 * step + r, rows=3 + r) for r in range(ctx.dp_size)]
-        stats = train_step(sharded, [halves[ctx.dp_rank]], cfg, ctx, cast=False).read(ctx)
-        ref = train_step(plain, halves, cfg2, ParallelContext.fake(), cast=False).read(ParallelContext.fake())
+        stats = train_step(sharded, [halves[ctx.dp_rank]], cfg, ctx, cast).read(ctx)
+        ref = train_step(plain, halves, cfg2, ParallelContext.fake(), ref_cast).read(ParallelContext.fake())
         yield stats, ref, max_diff(full_weights(sharded), full_weights(plain))
 
 
-def zero_check(steps: int, cpu_gemm: str = "auto", compiled: bool = False) -> dict[str, Any]:
-    cfg = config("t5", cpu_gemm=cpu_gemm, extra=("train.compile=true",) if compiled else ())
+#: fp16 with a first loss scale that overflows: the first updates are skipped on every rank alike
+FP16 = ("train.fp16=true", "train.loss_scale_power=18", "train.loss_scale_window=2")
+
+
+def zero_check(
+    steps: int, cpu_gemm: str = "auto", compiled: bool = False, fp16: bool = False
+) -> dict[str, Any]:
+    extra = (("train.compile=true",) if compiled else ()) + (FP16 if fp16 else ())
+    cfg = config("t5", cpu_gemm=cpu_gemm, extra=extra)
     layout = resolve_layout(cfg)
     ctx = ParallelContext.from_env(layout.tp_size, deepspeed=layout.deepspeed is not None)
     ds = deepspeed_config(cfg, layout) if layout.deepspeed is not None else None
     sharded = engine_for(cfg, ctx, ds)
-    cfg2 = config("t5", accumulate=ctx.dp_size, cpu_gemm=cpu_gemm)
+    cfg2 = config("t5", accumulate=ctx.dp_size, cpu_gemm=cpu_gemm, extra=FP16 if fp16 else ())
     plain = engine_for(cfg2, ParallelContext.fake(), None)
     rows = []
     for stats, ref, diff in lockstep(sharded, plain, cfg, cfg2, ctx, steps):
@@ -257,6 +274,8 @@ def zero_check(steps: int, cpu_gemm: str = "auto", compiled: bool = False) -> di
         "onednn_nodes": onednn_nodes(sharded, batch(100 * (steps - 1) + ctx.dp_rank, rows=3 + ctx.dp_rank)),
         "dp_size": ctx.dp_size,
         "compiled": compiled,
+        "loss_scale": sharded.loss_scale_state(),
+        "ref_loss_scale": plain.loss_scale_state(),
         "zero_stage": layout.zero_stage,
         "steps": rows,
         "memory": memory(sharded, ctx, layout),
@@ -306,8 +325,8 @@ def main() -> None:
         result = ac_check([int(a) for a in sys.argv[3:]])
     else:
         rest = sys.argv[4:]
-        gemm = next((a for a in rest if a != "compile"), "auto")
-        result = zero_check(int(sys.argv[3]), gemm, compiled="compile" in rest)
+        gemm = next((a for a in rest if a not in ("compile", "fp16")), "auto")
+        result = zero_check(int(sys.argv[3]), gemm, compiled="compile" in rest, fp16="fp16" in rest)
     if torch.distributed.get_rank() == 0:
         with open(path, "w") as f:
             json.dump(result, f, indent=2)

@@ -215,7 +215,7 @@ class Checkpointer:
                 "data": None if batches.per_rank else batches.state_dict(),
                 "scheduler": _jsonable(engine.lr_scheduler.state_dict()),
                 "adam_steps": adam_steps(engine),
-                "loss_scaler": _loss_scaler(engine),
+                "loss_scaler": engine.loss_scale_state(),
                 "layout": self.layout,
                 "vocab_hash": vocab_hash(self.tok),
             }
@@ -315,7 +315,7 @@ class Checkpointer:
         scheduler = engine.lr_scheduler
         scheduler.load_state_dict({**scheduler.state_dict(), **trainer["scheduler"]})
         engine.set_lr(scheduler.get_last_lr())
-        _set_loss_scaler(engine, trainer.get("loss_scaler"))
+        engine.load_loss_scale_state(trainer.get("loss_scaler"))
         progress = Progress(int(trainer["step"]), float(trainer["tokens"]), best=best_of(trainer))
         rank_state = json.loads(mine.read_text()) if same_layout or per_rank else {}
         self.batches.load_state_dict(rank_state["data"] if per_rank else trainer["data"])
@@ -360,20 +360,3 @@ def _to_host(data: torch.Tensor) -> torch.Tensor:
 def _jsonable(state: dict[str, Any]) -> dict[str, Any]:
     """A torch scheduler's state without its lambdas (our schedule is rebuilt from the config)."""
     return {k: v for k, v in state.items() if k != "lr_lambdas"}
-
-
-def _loss_scaler(engine: Engine) -> dict[str, Any] | None:
-    scaler = getattr(getattr(engine.model, "optimizer", None), "loss_scaler", None)
-    if scaler is None:
-        return None
-    keys = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
-    return {k: float(getattr(scaler, k)) for k in keys if hasattr(scaler, k)}
-
-
-def _set_loss_scaler(engine: Engine, state: dict[str, Any] | None) -> None:
-    scaler = getattr(getattr(engine.model, "optimizer", None), "loss_scaler", None)
-    if scaler is None or not state:
-        return
-    for key, value in state.items():
-        old = getattr(scaler, key)
-        setattr(scaler, key, type(old)(value) if not torch.is_tensor(old) else torch.tensor(value))

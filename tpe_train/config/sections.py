@@ -320,9 +320,14 @@ class TrainConfig(Section):
     bf16: bool = False
     """bf16: autocast on one process; under DeepSpeed, bf16 weights with fp32 master weights."""
     fp16: bool = False
-    """fp16 with dynamic loss scaling (DeepSpeed on GPUs only; the CPU has no fp16 training path)."""
+    """fp16 autocast with dynamic loss scaling, for GPUs without bf16 (V100, T4): torch's loss scaler on
+    one process and under DDP, DeepSpeed's under DeepSpeed (GPUs only). An overflow skips the update
+    on the device; the step still counts, as the host does not wait to know. Runs on a CPU too
+    (slowly)."""
     loss_scale_power: int = Field(16, ge=0, le=32)
     """fp16: the dynamic loss scale starts at 2**loss_scale_power."""
+    loss_scale_window: int = Field(1000, ge=1)
+    """fp16: steps without an overflow before the loss scale doubles (an overflow halves it)."""
     threads: int = Field(0, ge=0)
     """torch intra-op threads (0: leave torch's default)."""
     cpu_gemm: Literal["auto", "onednn", "default"] = "auto"

@@ -153,14 +153,14 @@ def diagnose(
     *,
     heads: list[int] | None = None,
     learned_only: bool = False,
-    cast: bool = False,
+    cast: torch.dtype | None = None,
 ) -> Diagnostics:
     """The diagnostics of ``model`` on (src, tgt_in), moved to the model's device; ``length``: the
     positions compared for an encoding without a limit of its own (sinusoidal); ``heads``: see
     ``attention_distances``; ``learned_only``: similarity of learned position vectors only (a fixed
-    encoding's never changes); ``cast``: under bf16 autocast (as training computes)."""
+    encoding's never changes); ``cast``: under autocast to this dtype (as training computes)."""
     device = next(model.parameters()).device
-    with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cast):
+    with torch.autocast(device.type, dtype=cast or torch.bfloat16, enabled=cast is not None):
         distances = attention_distances(model, src.to(device), tgt_in.to(device), heads)
         similarity = position_similarity(model, length, learned_only)
     return Diagnostics(distances, similarity, int(src.shape[0]))

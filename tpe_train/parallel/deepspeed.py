@@ -152,9 +152,10 @@ def _check(cfg: Config, layout: Layout) -> None:
                 f"model.position.max_positions ({p.max_positions}) is not divisible by the "
                 f"tensor-parallel size ({tp}); the learned table is split along positions: round it up"
             )
-    if cfg.train.fp16 and (layout.deepspeed is None or not _has_gpu()):
+    if cfg.train.fp16 and layout.deepspeed is not None and not _has_gpu():
         problems.append(
-            "train.fp16 needs DeepSpeed on GPUs (dynamic loss scaling); on the CPU use train.bf16 instead"
+            "train.fp16 under DeepSpeed needs GPUs (DeepSpeed's fp16 optimizer); on the CPU use "
+            "train.bf16, or a launch without DeepSpeed (one process, or the cpu_ddp layout)"
         )
     if problems:
         raise ConfigError("impossible parallel layout: " + "; ".join(problems))
@@ -200,6 +201,7 @@ def deepspeed_config(cfg: Config, layout: Layout) -> dict[str, Any]:
                 "enabled": cfg.train.fp16,
                 "loss_scale": 0,  # dynamic
                 "initial_scale_power": cfg.train.loss_scale_power,
+                "loss_scale_window": cfg.train.loss_scale_window,
             },
             "steps_per_print": 10**9,  # we log ourselves, on rank 0
             "wall_clock_breakdown": False,

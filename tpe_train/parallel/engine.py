@@ -41,13 +41,24 @@ class Engine:
         accumulate: int,
         clip_norm: float,
         deepspeed: dict[str, Any] | None,
+        loss_scale: float | None = None,
+        scale_window: int = 1000,
     ) -> None:
+        """``loss_scale``: fp16 on a plain engine, the first scale of torch's dynamic loss scaling,
+        doubled after ``scale_window`` steps without an overflow (under DeepSpeed, its config's
+        ``fp16`` section does this)."""
         self.ctx, self.accumulate, self.clip_norm = ctx, accumulate, clip_norm
         self.uses_deepspeed = deepspeed is not None
         self._micro = 0
         self.accelerator: Any = None
         self.model: Any  # nn.Module, DistributedDataParallel or a DeepSpeed engine
         self.ddp = deepspeed is None and ctx.distributed
+        self.scaler: torch.amp.GradScaler | None = None
+        if loss_scale is not None:
+            assert deepspeed is None, "under DeepSpeed, fp16 loss scaling is DeepSpeed's"
+            self.scaler = torch.amp.GradScaler(
+                ctx.device.type, init_scale=loss_scale, growth_interval=scale_window
+            )
         if deepspeed is None:
             # One process: no wrapper at all. Plain data parallelism: torch's DDP over the data-parallel
             # group, wrapped here rather than by accelerate, whose state reads a CPU launch of
@@ -100,7 +111,8 @@ class Engine:
         which the caller compensates."""
         self._micro += 1
         if self.accelerator is None:  # DDP averages the gradients over the ranks in the last backward
-            (loss / self.accumulate).backward()
+            loss = loss / self.accumulate
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             return
         with self.accelerator.accumulate(self.model):
             self.accelerator.backward(loss)
@@ -118,14 +130,57 @@ class Engine:
             norm = self.model.get_global_grad_norm()
             return norm if norm is not None else float("nan")
         max_norm = self.clip_norm or float("inf")
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # on the device; an overflow leaves inf or nan in a gradient
         if self.accelerator is None:
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
         else:
             norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
-        self.optimizer.step()
+        if self.scaler is not None:
+            # The fused optimizer takes the overflow flag as a tensor and skips the update on the
+            # device: no read back (torch's GradScaler reads it back for other optimizers). The
+            # schedule advances either way: the host does not know.
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return norm
+
+    def loss_scale_state(self) -> dict[str, float] | None:
+        """The dynamic fp16 loss scale (torch's or DeepSpeed's) as checkpoints keep it; None without
+        fp16. DeepSpeed's keys, torch's growth tracker added: either engine resumes from either's."""
+        if self.scaler is not None:
+            state = self.scaler.state_dict()  # reads the scale back: at checkpoints only
+            return {"cur_scale": float(state["scale"]), "growth_tracker": float(state["_growth_tracker"])}
+        scaler = getattr(getattr(self.model, "optimizer", None), "loss_scaler", None)
+        if scaler is None:
+            return None
+        keys = ("cur_scale", "cur_iter", "last_overflow_iter", "cur_hysteresis")
+        return {k: float(getattr(scaler, k)) for k in keys if hasattr(scaler, k)}
+
+    def load_loss_scale_state(self, state: dict[str, float] | None) -> None:
+        """Restore what ``loss_scale_state`` gave (nothing to do without fp16, or when none was kept)."""
+        if not state:
+            return
+        if self.scaler is not None:
+            if self.scaler.state_dict():  # empty while the scaler is disabled (no such device)
+                self.scaler.load_state_dict(
+                    {
+                        **self.scaler.state_dict(),
+                        "scale": state["cur_scale"],
+                        "_growth_tracker": int(state.get("growth_tracker", 0)),
+                    }
+                )
+            return
+        scaler = getattr(getattr(self.model, "optimizer", None), "loss_scaler", None)
+        if scaler is None:
+            return
+        for key, value in state.items():
+            if hasattr(scaler, key):
+                old = getattr(scaler, key)
+                setattr(scaler, key, type(old)(value) if not torch.is_tensor(old) else torch.tensor(value))
 
     def lr(self) -> float:
         return float(self.lr_scheduler.get_last_lr()[0])

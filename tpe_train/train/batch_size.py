@@ -18,7 +18,7 @@ from tpe_train.data.corpus import Prepared
 from tpe_train.parallel.batch import BatchPlan, estimated_micro_tokens, largest_fitting, micro_tokens, resolve
 from tpe_train.parallel.checkpointing import apply_activation_checkpointing
 from tpe_train.parallel.context import ParallelContext
-from tpe_train.train.step import batch_terms
+from tpe_train.train.step import autocast_dtype, batch_terms
 
 
 def recorded_max_tokens(run_dir: RunDir) -> int | None:
@@ -47,7 +47,7 @@ def probe_max_tokens(cfg: Config, data: Prepared, ctx: ParallelContext) -> int:
     src_len, tgt_len = length_arrays(data.train)
     order = np.argsort(-(src_len + tgt_len), kind="stable")  # the longest pairs first
     width = int(src_len[order[0]] + tgt_len[order[0]])
-    cast = cfg.train.bf16
+    cast = autocast_dtype(cfg, deepspeed=False)
 
     def fits(max_tokens: int) -> bool:
         rows = order[: max(1, min(len(order), max_tokens // width))]

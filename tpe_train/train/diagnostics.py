@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
 
@@ -57,7 +58,7 @@ class TrainingDiagnostics:
         writer: SummaryWriter | None,
         ctx: ParallelContext,
         step: int,
-        cast: bool,
+        cast: torch.dtype | None,
         images: bool = True,
     ) -> None:
         """Measure the model (every rank: tensor-parallel ranks compute their heads together) and write

@@ -39,7 +39,14 @@ from tpe_train.train import batch_size, selection
 from tpe_train.train.cadence import Cadence
 from tpe_train.train.diagnostics import TrainingDiagnostics
 from tpe_train.train.scalars import log_line, write_scalars
-from tpe_train.train.step import TokenTally, inverse_sqrt, seed_everything, train_step, validate
+from tpe_train.train.step import (
+    TokenTally,
+    autocast_dtype,
+    inverse_sqrt,
+    seed_everything,
+    train_step,
+    validate,
+)
 from tpe_train.train.throughput import Throughput, configure_cpu
 
 
@@ -98,6 +105,9 @@ def build_engine(cfg: Config, data: Prepared, ctx: ParallelContext, layout: Layo
         accumulate=cfg.train.accumulate,
         clip_norm=cfg.train.clip_norm,
         deepspeed=ds_config,
+        # fp16 without DeepSpeed: torch's dynamic loss scaling, from the scale DeepSpeed would start at
+        loss_scale=2.0**cfg.train.loss_scale_power if cfg.train.fp16 and ds_config is None else None,
+        scale_window=cfg.train.loss_scale_window,
     )
 
 
@@ -148,7 +158,7 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
     )
     if start is not None:
         progress = checkpointer.restore(start)
-    cast = cfg.train.bf16 and not engine.uses_deepspeed  # DeepSpeed holds bf16 weights itself
+    cast = autocast_dtype(cfg, engine.uses_deepspeed)  # DeepSpeed holds bf16/fp16 weights itself
     reports = ctx.gather(memory_report(engine.module, engine.optimizer, ctx.rank, layout))
     samples = _sample_log(cfg, ctx)
     writer = SummaryWriter(str(run_dir.tensorboard)) if ctx.is_main else None
@@ -208,6 +218,9 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
                 "train/target_tokens": stats["tokens"],  # of the step, all ranks: train.batch_tokens reached
                 **meter.read(progress.tokens - logged),
             }
+            scaler = engine.loss_scale_state()  # fp16: the dynamic loss scale, halved at each overflow
+            if scaler is not None:
+                scalars["train/loss_scale"] = scaler["cur_scale"]
             write_scalars(writer, scalars, step)
             bar.set_postfix(loss=f"{scalars['train/loss']:.3f}", lr=f"{scalars['train/lr']:.2e}")
             if lines:

@@ -8,7 +8,8 @@ _LINE_FIGURES = (  # (scalar, label, format) of a log line, in this order
     ("train/loss", "loss", "{:.3f}"),
     ("train/nll", "nll", "{:.3f}"),
     ("train/lr", "lr", "{:.2e}"),
-    ("train/grad_norm", "gnorm", "{:.2f}"),
+    ("train/grad_norm", "gnorm", "{:.2f}"),  # inf or nan at an fp16 overflow (the step was skipped)
+    ("train/loss_scale", "scale", "{:.0f}"),  # fp16 only
     ("train/tokens_per_s", "tok/s", "{:,.0f}"),
     ("train/mfu", "mfu", "{:.1%}"),
     ("valid/nll", "valid nll", "{:.3f}"),

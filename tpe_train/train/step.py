@@ -48,22 +48,31 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def autocast(enabled: bool, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else contextlib.nullcontext()
+def autocast_dtype(cfg: Config, deepspeed: bool) -> torch.dtype | None:
+    """The autocast dtype of the forward passes: bf16 or fp16 as ``train.bf16``/``train.fp16`` ask,
+    None for fp32 and under DeepSpeed, which holds the weights in that precision itself."""
+    if deepspeed:
+        return None
+    return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else None
+
+
+def autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
 
 def batch_terms(
     model: Any,
     batch: Batch,
     cfg: Config,
-    cast: bool,
+    cast: torch.dtype | None,
     grad_scale: float | torch.Tensor = 1.0,
     score: Score | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed smoothed loss, summed nll, target tokens) of one batch as tensors on the batch's
-    device, nothing read back to the host; ``cast``: bf16 autocast; ``grad_scale``: the factor of
-    the loss in the backward that follows; ``score``: how the output layer and loss are taken (the
-    vocabulary-parallel loss under tensor parallelism; default: all logits on this rank)."""
+    device, nothing read back to the host; ``cast``: the autocast dtype (None: none); ``grad_scale``:
+    the factor of the loss in the backward that follows; ``score``: how the output layer and loss
+    are taken (the vocabulary-parallel loss under tensor parallelism; default: all logits on this
+    rank)."""
     smoothing, chunk = cfg.train.label_smoothing, cfg.train.loss_chunk_tokens
     with autocast(cast, batch.src.device):
         if chunk or score is not None:  # chunk by chunk, recomputed in the backward (chunk > 0)
@@ -78,7 +87,7 @@ def batch_terms(
 
 
 def batch_loss(
-    model: Any, batch: Batch, cfg: Config, cast: bool, grad_scale: float = 1.0
+    model: Any, batch: Batch, cfg: Config, cast: torch.dtype | None, grad_scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``batch_terms`` with the token count read back as an int (a host sync: evaluation only)."""
     loss, nll, ntok = batch_terms(model, batch, cfg, cast, grad_scale)
@@ -86,7 +95,7 @@ def batch_loss(
 
 
 def loss_sums(
-    model: Any, batches: Iterable[Batch], cfg: Config, cast: bool
+    model: Any, batches: Iterable[Batch], cfg: Config, cast: torch.dtype | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed nll, target tokens) of ``batches`` as float64 tensors on their device. Nothing is read
     back per batch: a GPU queues every batch of a validation pass instead of waiting for each one."""
@@ -139,7 +148,7 @@ class TokenTally:
 
 
 def train_step(
-    engine: Engine, micro: list[Batch], cfg: Config, ctx: ParallelContext, cast: bool
+    engine: Engine, micro: list[Batch], cfg: Config, ctx: ParallelContext, cast: torch.dtype | None
 ) -> StepResult:
     """One optimizer step over ``train.accumulate`` batches on every data-parallel rank.
 
@@ -172,7 +181,9 @@ def train_step(
 
 
 @torch.no_grad()
-def validate(engine: Engine, data: Any, cfg: Config, ctx: ParallelContext, cast: bool) -> dict[str, float]:
+def validate(
+    engine: Engine, data: Any, cfg: Config, ctx: ParallelContext, cast: torch.dtype | None
+) -> dict[str, float]:
     """Validation loss (nll per token, batches split over data-parallel ranks) and greedy BLEU on the
     first ``valid_bleu_size`` pairs (every rank decodes them: tensor-parallel ranks must run together)."""
     with engine.gathered() as module:
