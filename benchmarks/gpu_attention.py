@@ -80,6 +80,36 @@ class Log:
             f.write(text + "\n")
 
 
+class Run:
+    """One run of a GPU script: its folder, its log (the first line names torch and the device), its
+    clock, and the summary it ends with. ``start`` makes one, or says why not."""
+
+    def __init__(self, out: Path, gpu: bool) -> None:
+        out.mkdir(parents=True, exist_ok=True)
+        self.out, self.gpu, self.started = out, gpu, time.monotonic()
+        self.log = Log(out / "log.txt")
+        self.log(f"torch {torch.__version__}, {torch.cuda.get_device_name() if gpu else 'CPU (dry run)'}")
+
+    @classmethod
+    def start(cls, out: Path, dry_run: bool, script: str) -> Run | None:
+        """A run on the GPU, or on the CPU with ``dry_run``; None, said on stderr, without a GPU."""
+        if not dry_run and not torch.cuda.is_available():
+            print(f"{script}: no CUDA GPU here; run with --dry-run on the CPU", file=sys.stderr)
+            return None
+        return cls(out, gpu=not dry_run)
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.started
+
+    def finish(self, lines: list[str], heading: str) -> None:
+        """``lines`` (one per goal) and the time taken to OUT/summary.txt and the log."""
+        lines = [*lines, f"total {self.elapsed():.0f} s after set-up"]
+        note = "" if self.gpu else "(dry run: figures from the CPU, not the GPU goals)\n"
+        text = "\n".join(lines) + "\n" + note
+        (self.out / "summary.txt").write_text(text)
+        self.log(heading + text)
+
+
 def batch(shape: tuple[int, int, int], device: torch.device) -> tuple[torch.Tensor, ...]:
     """(src, tgt_in, tgt_out) of ``shape`` = (B, Ls, Lt), padded rows included."""
     rows, ls, lt = shape
@@ -254,15 +284,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path, help="folder for the raw output")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: exercise every code path")
     args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    gpu = not args.dry_run
-    if gpu and not torch.cuda.is_available():
-        print("gpu_attention: no CUDA GPU here; run with --dry-run on the CPU", file=sys.stderr)
+    run = Run.start(args.out, args.dry_run, "gpu_attention")
+    if run is None:
         return 2
-    started = time.monotonic()
-    log = Log(args.out / "log.txt")
+    gpu, log = run.gpu, run.log
     device = torch.device("cuda" if gpu else "cpu")
-    log(f"torch {torch.__version__}, {torch.cuda.get_device_name() if gpu else 'CPU (dry run)'}")
     candidate = "flex" if gpu else "sdpa"
     log(f"1. gradients through {candidate}{'' if gpu else ' (dry run)'} against fp64 explicit, fp32")
     grads = check_gradients(device, candidate, log)
@@ -277,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     log("\n3. profiler: top kernels of one training step per encoding")
     (args.out / "profile.txt").write_text(profile(device, gpu, log))
 
-    log("\n4. bench_attention.py", f"({time.monotonic() - started:.0f} s so far)")
+    log("\n4. bench_attention.py", f"({run.elapsed():.0f} s so far)")
     bench_json = args.out / "bench.json"
     if gpu:
         bench_args = ["--preset", "wmt14_en_de_big", "--device", "cuda", "--bf16", "--backends", "sdpa,flex",
@@ -293,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
         "--json",
         str(bench_json),
     ]
-    left = max(30.0, BUDGET_S - (time.monotonic() - started))
+    left = max(30.0, BUDGET_S - run.elapsed())
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=left)
         stdout, stderr, code = proc.stdout, proc.stderr, proc.returncode
@@ -305,7 +331,6 @@ def main(argv: list[str] | None = None) -> int:
     if code != 0:
         log(stderr[-4000:])
 
-    log("5. goals")
     lines = [
         f"{'PASS' if not failures else 'FAIL'} gradients: {len(grads) - failures}/{len(grads)} variants "
         f"within {GRAD_TOL:g} of fp64 explicit at {len(SHAPES)} batch shapes",
@@ -320,10 +345,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         lines.append(f"FAIL bench_attention.py exited with {code} (see bench.txt)")
         failures += 1
-    lines.append(f"total {time.monotonic() - started:.0f} s after set-up")
-    text = "\n".join(lines) + ("\n(dry run: figures from the CPU, not the GPU goals)\n" if not gpu else "\n")
-    (args.out / "summary.txt").write_text(text)
-    log(text)
+    run.finish(lines, "5. goals\n")
     return int(failures)
 
 

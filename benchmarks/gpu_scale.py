@@ -35,14 +35,12 @@ import os
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-from gpu_attention import Log
+from gpu_attention import Log, Run
 from gpu_attention import summary as attention_goals
 from harness import ROOT
 
@@ -137,20 +135,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", type=Path, help="the shared data folder for part 3 (default ../shared/data)")
     p.add_argument("--dry-run", action="store_true", help="CPU, small modes: exercise every code path")
     args = p.parse_args(argv)
-    args.out.mkdir(parents=True, exist_ok=True)
-    gpu = not args.dry_run
-    if gpu and not torch.cuda.is_available():
-        print("gpu_scale: no CUDA GPU here; run with --dry-run on the CPU", file=sys.stderr)
+    run = Run.start(args.out, args.dry_run, "gpu_scale")
+    if run is None:
         return 2
-    started = time.monotonic()
-    log = Log(args.out / "log.txt")
-    log(f"torch {torch.__version__}, {torch.cuda.get_device_name() if gpu else 'CPU (dry run)'}")
+    gpu, log = run.gpu, run.log
     lines, failures = [], 0
     for i, part in enumerate(parts(args.data), 1):
         out = args.out / f"{part.name}.json"
         cmd = [sys.executable, str(ROOT / "benchmarks" / part.script),
                *(part.gpu_args if gpu else part.dry_args), "--json", str(out)]  # fmt: skip
-        log(f"\n{i}. {part.name}: {' '.join(cmd[1:])}  ({time.monotonic() - started:.0f} s so far)")
+        log(f"\n{i}. {part.name}: {' '.join(cmd[1:])}  ({run.elapsed():.0f} s so far)")
         code = run_part(cmd, part.limit_s, log)
         if code != 0 or not out.exists():
             lines.append(f"NOT MEASURED {part.name}: {part.script} exited with {code} (see log.txt)")
@@ -159,10 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         for ok, text in part.goals(json.loads(out.read_text())):
             lines.append(f"{'INFO' if ok is None else 'PASS' if ok else 'FAIL'} {text}")
             failures += gpu and ok is False  # the dry run's CPU figures are not the goals
-    lines.append(f"total {time.monotonic() - started:.0f} s after set-up")
-    text = "\n".join(lines) + ("\n(dry run: figures from the CPU, not the GPU goals)\n" if not gpu else "\n")
-    (args.out / "summary.txt").write_text(text)
-    log("\ngoals\n" + text)
+    run.finish(lines, "\ngoals\n")
     return int(failures)
 
 

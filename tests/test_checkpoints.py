@@ -3,6 +3,7 @@ and tampered checkpoints, foreign configs and tokenizers, a full disk, and tpe-c
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -114,22 +115,28 @@ def test_n_steps_resume_n_steps_equals_2n_steps_bitwise(whole: Path, tmp_path: P
 
 def test_fp16_resume_keeps_the_loss_scale_and_is_bitwise(tmp_path: Path) -> None:
     """train.fp16 without DeepSpeed: a first scale that overflows (skipped updates, the scale halved)
-    and a window of 3 (the scale doubled): 6 + 6 steps give 12 steps' weights, Adam state and loss
+    and a window of 2 (the scale doubled): 4 + 4 steps give 8 steps' weights, Adam state and loss
     scale bitwise, so the scale and its growth count came back from the checkpoint."""
-    fp16 = ["train.fp16=true", "train.loss_scale_power=20", "train.loss_scale_window=3", "train.save_every=0"]
-    fp16.append("data.max_tokens=512")  # fp16 products are slow on a CPU
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    fp16 = ["train.fp16=true", "train.loss_scale_power=17", "train.loss_scale_window=2", "train.save_every=0"]
+    fp16 += ["data.max_tokens=256", "train.log_every=1"]  # fp16 products are slow on a CPU
     whole, halves = tmp_path / "whole", tmp_path / "halves"
-    train(whole, *fp16, "train.max_steps=12")
-    train(halves, *fp16, "train.max_steps=6")
-    train(halves, *fp16, "train.max_steps=12")
-    step12 = [run / "checkpoints/step-00000012" for run in (whole, halves)]
+    train(whole, *fp16, "train.max_steps=8")
+    train(halves, *fp16, "train.max_steps=4")
+    train(halves, *fp16, "train.max_steps=8")
+    step8 = [run / "checkpoints/step-00000008" for run in (whole, halves)]
     for moments in (False, True):
-        a, b = (weights(p, moments) for p in step12)
+        a, b = (weights(p, moments) for p in step8)
         assert a and all(torch.equal(a[k], b[k]) for k in a)
-    trainer = [json.loads((p / "trainer.json").read_text()) for p in step12]
+    trainer = [json.loads((p / "trainer.json").read_text()) for p in step8]
     assert trainer[0]["loss_scaler"] == trainer[1]["loss_scaler"]
-    assert trainer[0]["adam_steps"] < 12  # overflows skipped some updates
-    assert trainer[0]["loss_scaler"]["cur_scale"] not in (2.0**20, 2.0**19)  # halved, then grown
+    events = EventAccumulator(str(whole / "tb"))
+    events.Reload()
+    scales = [e.value for e in events.Scalars("train/loss_scale")]
+    assert len(scales) == 8 and scales[0] == 2.0**16  # the first step overflowed
+    assert any(later > earlier for earlier, later in itertools.pairwise(scales)), scales  # grown
+    assert trainer[0]["adam_steps"] < 8  # the overflows skipped updates
 
 
 def test_preemption_saves_and_exits_for_requeue_and_the_rerun_finishes(tmp_path: Path) -> None:

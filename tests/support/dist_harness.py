@@ -47,6 +47,7 @@ from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report, optimizer_state_bytes
 from tpe_train.parallel.plan import apply_tensor_parallel
 from tpe_train.run.exits import end_process
+from tpe_train.train.loop import engine_options
 from tpe_train.train.step import autocast_dtype, batch_loss, train_step
 
 VOCAB = 64
@@ -119,18 +120,7 @@ def engine_for(cfg: Config, ctx: ParallelContext, ds: dict[str, Any] | None) -> 
     # depends on the summation order; Adam with eps 1e-9 turns that noise into full +-lr steps.
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.98), eps=1e-6, fused=True)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    fp16 = cfg.train.fp16 and ds is None  # torch's loss scaling, as the trainer's build_engine
-    return Engine(
-        model,
-        opt,
-        sched,
-        ctx,
-        accumulate=cfg.train.accumulate,
-        clip_norm=cfg.train.clip_norm,
-        deepspeed=ds,
-        loss_scale=2.0**cfg.train.loss_scale_power if fp16 else None,
-        scale_window=cfg.train.loss_scale_window,
-    )
+    return Engine(model, opt, sched, ctx, **engine_options(cfg, ds))  # as the trainer builds it
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:

@@ -97,18 +97,20 @@ def build_engine(cfg: Config, data: Prepared, ctx: ParallelContext, layout: Layo
         fused=True,  # one kernel for all parameters, or for DeepSpeed's flat partitions (bench_engine.py)
     )
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, inverse_sqrt(cfg.train.warmup_steps))
-    return Engine(
-        model,
-        optimizer,
-        scheduler,
-        ctx,
-        accumulate=cfg.train.accumulate,
-        clip_norm=cfg.train.clip_norm,
-        deepspeed=ds_config,
-        # fp16 without DeepSpeed: torch's dynamic loss scaling, from the scale DeepSpeed would start at
-        loss_scale=2.0**cfg.train.loss_scale_power if cfg.train.fp16 and ds_config is None else None,
-        scale_window=cfg.train.loss_scale_window,
-    )
+    return Engine(model, optimizer, scheduler, ctx, **engine_options(cfg, ds_config))
+
+
+def engine_options(cfg: Config, deepspeed: dict[str, Any] | None) -> dict[str, Any]:
+    """``Engine``'s keyword arguments that follow from the config: accumulation, clipping, the DeepSpeed
+    config, and without DeepSpeed torch's fp16 loss scaling (from the scale DeepSpeed would start at)."""
+    fp16 = cfg.train.fp16 and deepspeed is None
+    return {
+        "accumulate": cfg.train.accumulate,
+        "clip_norm": cfg.train.clip_norm,
+        "deepspeed": deepspeed,
+        "loss_scale": 2.0**cfg.train.loss_scale_power if fp16 else None,
+        "scale_window": cfg.train.loss_scale_window,
+    }
 
 
 def resume_point(cfg: Config, ctx: ParallelContext) -> Path | None:
