@@ -8,7 +8,9 @@ validated, and ``tpe-launch run`` prints its command (``--dry-run``).
    probe accuracy at least 90%, as on the CPU;
 2. ``tpe-launch run`` on this node (DeepSpeed ZeRO-1 over nccl, DeepSpeed's bf16 weights), a
    checkpoint, then the same command with more steps resumes from it;
-3. ``tpe-eval --device cuda`` and ``--device cpu`` on the exported demo model agree.
+3. ``tpe-eval --device cuda`` and ``--device cpu`` on the exported demo model agree;
+4. the demo's first 300 steps in fp16 on one GPU (torch's dynamic loss scaling without DeepSpeed):
+   the loss falls and the logged loss scale stays a positive, finite number.
 Each prints PASS/FAIL and its figures; the exit status is the number of failures.
 """
 
@@ -80,6 +82,15 @@ def eval_cmd(py: str, demo: Path, device: str) -> list[str]:
             device]  # fmt: skip
 
 
+FP16_STEPS = 300
+
+
+def fp16_cmd(py: str, run_dir: Path) -> list[str]:
+    """4: the demo's first steps in fp16, one process on the GPU."""
+    return [py, "-m", "tpe_train.train", "--preset", "demo", "train.fp16=true", "train.progress=false",
+            f"train.max_steps={FP16_STEPS}", "eval.at_end=false", f"train.run_dir={run_dir}"]  # fmt: skip
+
+
 def dry_run(out: Path) -> int:
     """Each check's commands checked without running them: parsed by their own parsers (after
     ``python -m MODULE``), configs loaded and validated, ``tpe-launch run`` with ``--dry-run``."""
@@ -105,6 +116,8 @@ def dry_run(out: Path) -> int:
         check(
             f"dry run: tpe-eval --device {device}", args.device == device, f"--checkpoint {args.checkpoint}"
         )
+    code, text = quiet(train_main, [*fp16_cmd(py, out / "fp16")[3:], "--print-config"])
+    check("dry run: fp16 demo", code == 0 and "fp16: true" in text, f"exit {code}, config loads, fp16 on")
     print(f"{len(failures)} failed: {failures}" if failures else "all passed (dry run: nothing ran on a GPU)")
     return len(failures)
 
@@ -158,6 +171,21 @@ def main(out: Path) -> int:
         close,
         f"BLEU {gpu.get('bleu', float('nan')):.2f} on the GPU ({results['cuda'][1]:.0f} s) against "
         f"{cpu.get('bleu', float('nan')):.2f} on the CPU ({results['cpu'][1]:.0f} s)",
+    )
+
+    # 4. fp16 on one GPU without DeepSpeed: torch's loss scaler, the fused AdamW step on CUDA.
+    fp16 = out / "fp16"
+    code, text, wall = run(fp16_cmd(py, fp16), out / "fp16.log")
+    losses = tb_scalars(fp16, "train/loss") if code == 0 else []
+    scales = tb_scalars(fp16, "train/loss_scale") if code == 0 else []
+    falls = len(losses) > 1 and losses[-1] < 0.7 * losses[0]
+    finite = bool(scales) and all(0 < s < float("inf") for s in scales)
+    check(
+        f"fp16 on the GPU, {FP16_STEPS} steps",
+        code == 0 and "on cuda:0" in text and falls and finite,
+        f"exit {code}, {wall:.0f} s, loss {losses[0] if losses else float('nan'):.3f} -> "
+        f"{losses[-1] if losses else float('nan'):.3f}, loss scale {scales[0] if scales else float('nan'):g}"
+        f" -> {scales[-1] if scales else float('nan'):g}",
     )
     print(f"{len(failures)} failed: {failures}" if failures else "all passed")
     return len(failures)

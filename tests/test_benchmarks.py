@@ -103,7 +103,7 @@ def check_gpu_attention(out: Path, stdout: str) -> None:
 
 
 def check_gpu_check(out: Path, stdout: str) -> None:
-    assert stdout.count("PASS dry run") == 5 and "all passed" in stdout
+    assert stdout.count("PASS dry run") == 6 and "all passed" in stdout
 
 
 def check_gpu_scale(out: Path, stdout: str) -> None:
