@@ -1,8 +1,9 @@
 """The GPU's attention path, guarded on the CPU (CI has no GPU).
 
 - ``gpu_route``: the CPU calls ``F.scaled_dot_product_attention`` exactly as a GPU does; for every
-  encoding under bf16 autocast it must receive q, k, v and the mask in the compute dtype, last dimension
-  contiguous, in one memory layout whatever the encoding, and give the CPU path's outputs.
+  encoding under bf16 and fp16 autocast it must receive q, k, v and the mask in the compute dtype,
+  last dimension contiguous, in one memory layout whatever the encoding, and give the CPU path's
+  outputs.
 - A training step of every encoding runs under ``FakeTensorMode``: any host read of data (``.item()``,
   ``float()``, ``int()`` of a tensor) would raise there.
 - An op budget per encoding: aten ops of forward + backward counted with a dispatch mode, per layer
@@ -42,9 +43,11 @@ def _layout(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(sorted(range(t.dim()), key=lambda d: (-t.stride(d), d)))
 
 
-def _record(kind: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list[dict[str, Any]], torch.Tensor]:
-    """What reaches ``F.scaled_dot_product_attention`` in a bf16 training forward + backward of
-    ``kind`` under ``gpu_route``, and the logits."""
+def _record(
+    kind: str, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype = torch.bfloat16
+) -> tuple[list[dict[str, Any]], torch.Tensor]:
+    """What reaches ``F.scaled_dot_product_attention`` in a training forward + backward of ``kind``
+    under ``gpu_route`` and autocast to ``dtype``, and the logits."""
     seen: list[dict[str, Any]] = []
 
     def spy(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_mask: Any = None, **kw: Any) -> Any:
@@ -63,32 +66,39 @@ def _record(kind: str, monkeypatch: pytest.MonkeyPatch) -> tuple[list[dict[str, 
     model = tiny_model(kind)
     model.train()
     src, tgt = batch()
-    with attention.gpu_route(), torch.autocast("cpu", dtype=torch.bfloat16):
+    with attention.gpu_route(), torch.autocast("cpu", dtype=dtype):
         logits = model(src, tgt)
     logits.float().sum().backward()
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    assert grads and all(torch.isfinite(g).all() for g in grads), f"{kind}: a non-finite gradient"
     return seen, logits.detach().float()
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("kind", KINDS)
 def test_the_gpu_attention_call_gets_compute_dtype_contiguous_inputs_for_every_encoding(
-    kind: str, monkeypatch: pytest.MonkeyPatch
+    kind: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    seen, logits = _record(kind, monkeypatch)
-    none, _ = _record("none", monkeypatch) if kind != "none" else (seen, logits)
+    """bf16 and fp16 autocast (``train.bf16``, ``train.fp16``): q, k, v and a float mask in that dtype
+    (a mask built in fp32 and cast, or a bias of -inf in fp16, would show here), finite logits and
+    gradients, and the CPU path's logits."""
+    seen, logits = _record(kind, monkeypatch, dtype)
+    none, _ = _record("none", monkeypatch, dtype) if kind != "none" else (seen, logits)
     assert len(seen) == 6  # 2 encoder self-, 2 decoder self-, 2 cross-attention calls
     for call, ref in zip(seen, none, strict=True):
-        assert call["dtypes"] == (torch.bfloat16,) * 3, call
+        assert call["dtypes"] == (dtype,) * 3, call
         assert call["last_contiguous"], call
         assert call["layouts"] == ref["layouts"], f"{kind}: q/k/v layouts differ from none's"
         if call["mask"] is not None:
-            dtype, last_contiguous = call["mask"]
-            assert dtype in (torch.bfloat16, torch.bool) and last_contiguous, call
+            mask_dtype, last_contiguous = call["mask"]
+            assert mask_dtype in (dtype, torch.bool) and last_contiguous, call
     torch.manual_seed(0)
     cpu = tiny_model(kind)
     cpu.train()
     src, tgt = batch()
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=dtype):
         expected = cpu(src, tgt).float()
+    assert torch.isfinite(logits).all()
     torch.testing.assert_close(logits, expected, atol=0.1, rtol=0.05)
 
 
