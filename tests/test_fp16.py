@@ -117,3 +117,32 @@ def test_the_loss_scale_is_restored_from_a_checkpoint_state() -> None:
     other.load_loss_scale_state({"cur_scale": 4096.0, "cur_iter": 7.0})  # saved by DeepSpeed's fp16
     assert other.loss_scale_state() == {"cur_scale": 4096.0, "growth_tracker": 0.0}
     assert engine(loss_scale=None).loss_scale_state() is None
+
+
+@pytest.mark.parametrize(
+    ("overrides", "device", "capability", "warned"),
+    [
+        (["train.bf16=true"], "cuda:0", (7, 0), True),  # V100
+        (["train.bf16=true"], "cuda:0", (7, 5), True),  # T4
+        (["train.bf16=true"], "cuda:0", (9, 0), False),  # H100/H200
+        (["train.fp16=true"], "cuda:0", (7, 0), False),
+        (["train.bf16=true"], "cpu", (7, 0), False),
+    ],
+)
+def test_bf16_on_a_gpu_without_bf16_units_is_warned_of(
+    monkeypatch: pytest.MonkeyPatch,
+    overrides: list[str],
+    device: str,
+    capability: tuple[int, int],
+    warned: bool,
+) -> None:
+    """The GPU's capability is the one thing a CPU cannot have: torch's query is replaced here."""
+    from tpe_train.train.step import precision_warning
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")
+    warning = precision_warning(load_config("demo", overrides), torch.device(device))
+    assert (warning is not None) == warned
+    if warned:
+        assert warning is not None and f"compute capability {capability[0]}.{capability[1]}" in warning
+        assert "train.fp16=true" in warning

@@ -43,6 +43,7 @@ from tpe_train.train.step import (
     TokenTally,
     autocast_dtype,
     inverse_sqrt,
+    precision_warning,
     seed_everything,
     train_step,
     validate,
@@ -182,6 +183,9 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
             f"({'built' if data.built else 'reused'}) | run dir {run_dir.path}"
         )
         print(f"tpe-train: {ctx.describe()} | ZeRO {layout.zero_stage} | {layout.source}")
+        warning = precision_warning(cfg, ctx.device)
+        if warning is not None:
+            print(f"tpe-train: warning: {warning}", flush=True)
         for line in filter(None, (batch_size.auto_note(asked, batch), batch.line(), batch.warning())):
             print(f"tpe-train: {line}")
         if start is not None:

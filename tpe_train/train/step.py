@@ -56,6 +56,21 @@ def autocast_dtype(cfg: Config, deepspeed: bool) -> torch.dtype | None:
     return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else None
 
 
+def precision_warning(cfg: Config, device: torch.device) -> str | None:
+    """A start-up warning for ``train.bf16`` on a GPU without bf16 units (compute capability below 8.0:
+    V100, T4): autocast then emulates bf16, slower than fp32, where fp16 has the GPU's tensor cores."""
+    if not cfg.train.bf16 or device.type != "cuda":
+        return None
+    major, minor = torch.cuda.get_device_capability(device)
+    if major >= 8:
+        return None
+    return (
+        f"train.bf16 on {torch.cuda.get_device_name(device)} (compute capability {major}.{minor}), which "
+        "has no bf16 units: bf16 runs emulated, slower than fp32; this GPU's mixed precision is "
+        "train.fp16=true (train.bf16=false)"
+    )
+
+
 def autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.AbstractContextManager[Any]:
     return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
 
