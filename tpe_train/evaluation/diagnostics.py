@@ -16,6 +16,7 @@ training).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 from dataclasses import dataclass
@@ -160,7 +161,7 @@ def diagnose(
     ``attention_distances``; ``learned_only``: similarity of learned position vectors only (a fixed
     encoding's never changes); ``cast``: under autocast to this dtype (as training computes)."""
     device = next(model.parameters()).device
-    with torch.autocast(device.type, dtype=cast or torch.bfloat16, enabled=cast is not None):
+    with torch.autocast(device.type, dtype=cast) if cast is not None else contextlib.nullcontext():
         distances = attention_distances(model, src.to(device), tgt_in.to(device), heads)
         similarity = position_similarity(model, length, learned_only)
     return Diagnostics(distances, similarity, int(src.shape[0]))

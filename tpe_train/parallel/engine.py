@@ -165,14 +165,10 @@ class Engine:
         if not state:
             return
         if self.scaler is not None:
-            if self.scaler.state_dict():  # empty while the scaler is disabled (no such device)
-                self.scaler.load_state_dict(
-                    {
-                        **self.scaler.state_dict(),
-                        "scale": state["cur_scale"],
-                        "_growth_tracker": int(state.get("growth_tracker", 0)),
-                    }
-                )
+            growth = int(state.get("growth_tracker", 0))  # absent in DeepSpeed's
+            self.scaler.load_state_dict(
+                {**self.scaler.state_dict(), "scale": state["cur_scale"], "_growth_tracker": growth}
+            )
             return
         scaler = getattr(getattr(self.model, "optimizer", None), "loss_scaler", None)
         if scaler is None:

@@ -224,9 +224,9 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
                 "train/target_tokens": stats["tokens"],  # of the step, all ranks: train.batch_tokens reached
                 **meter.read(progress.tokens - logged),
             }
-            scaler = engine.loss_scale_state()  # fp16: the dynamic loss scale, halved at each overflow
+            scaler = engine.loss_scale_state() if cfg.train.fp16 else None  # ZeRO keeps a static 1 too
             if scaler is not None:
-                scalars["train/loss_scale"] = scaler["cur_scale"]
+                scalars["train/loss_scale"] = scaler["cur_scale"]  # halved at each overflow
             write_scalars(writer, scalars, step)
             bar.set_postfix(loss=f"{scalars['train/loss']:.3f}", lr=f"{scalars['train/lr']:.2e}")
             if lines:
