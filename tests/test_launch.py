@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.slurm_cluster import SlurmCluster, require_slurm, slurm_requested, start_or_fail
 
 from launcher.cli import main
 from launcher.plan import (
@@ -31,7 +32,6 @@ from launcher.plan import (
     sweep_overrides,
 )
 from launcher.submit import array_indices, render, time_seconds
-from support.slurm_cluster import SlurmCluster, require_slurm, slurm_requested, start_or_fail
 from tpe_train.positions import POSITIONS
 from tpe_train.run.exits import EXIT_PREEMPTED
 
@@ -223,7 +223,7 @@ def test_slurm_tests_run_only_when_asked_and_fail_when_slurm_cannot_start(tmp_pa
     base = tmp_path / "not-a-folder"
     base.write_text("")  # the cluster's state cannot go under a file: start fails before any install
     cluster = SlurmCluster(base)
-    with pytest.raises(pytest.fail.Exception, match="TPE_TEST_SLURM=1 asks for the Slurm tests.*did not start"):
+    with pytest.raises(pytest.fail.Exception, match=r"TPE_TEST_SLURM=1 asks for the Slurm tests.*not start"):
         start_or_fail(cluster)
     cluster.stop()  # nothing was started: nothing to stop, /etc/hosts untouched
     assert not cluster.started

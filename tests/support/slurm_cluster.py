@@ -207,9 +207,10 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         """Cancel leftover jobs, stop exactly the daemons we started (by pid), undo /etc/hosts."""
         env = self.env
         if self.started:  # a cluster that never started has no jobs (and maybe no squeue)
-            jobs = subprocess.run(["squeue", "-h", "-o", "%A"], env=env, capture_output=True, text=True).stdout
-            if jobs.split():
-                subprocess.run(["scancel", *jobs.split()], env=env, capture_output=True)
+            squeue = ["squeue", "-h", "-o", "%A"]
+            jobs = subprocess.run(squeue, env=env, capture_output=True, text=True).stdout.split()
+            if jobs:
+                subprocess.run(["scancel", *jobs], env=env, capture_output=True)
                 time.sleep(1)
         for pid in self.started:
             with contextlib.suppress(ProcessLookupError):
