@@ -21,6 +21,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -92,6 +93,7 @@ class SlurmCluster:
     base: Path
     nodes: int = 2
     cpus: int = 2
+    gpus: int = 2  # fake GPUs per node (GRES on /dev/null devices): GPU jobs schedule, nothing runs on them
     started: list[int] = field(default_factory=list)  # pids of the daemons we started
 
     @property
@@ -111,6 +113,18 @@ class SlurmCluster:
         b = self.base
         for sub in ("state", "log", "run", *(f"spool/{n}" for n in self.node_names)):
             (b / sub).mkdir(parents=True, exist_ok=True)  # slurmd does not create its spool dir
+        gres = ""
+        if self.gpus:
+            (b / "dev").mkdir(exist_ok=True)
+            for i in range(self.gpus):
+                dev = b / "dev" / f"fakegpu{i}"
+                if not dev.exists():
+                    os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # the device of /dev/null
+            last = self.gpus - 1
+            (b / "gres.conf").write_text(
+                f"NodeName=n[1-{self.nodes}] Name=gpu File={b}/dev/fakegpu[0-{last}]\n"
+            )
+            gres = f" Gres=gpu:{self.gpus}"
         ctld_port = free_port_run(1 + self.nodes)
         first = ctld_port + 1  # Port=[a-b]: one slurmd port per node, consecutive
         host = socket.gethostname().split(".")[0]
@@ -145,8 +159,9 @@ ReturnToService=2
 KillWait=5
 MinJobAge=600
 NodeName=n[1-{self.nodes}] NodeHostname={host} NodeAddr=127.0.0.1 Port=[{first}-{first + self.nodes - 1}] \
-CPUs={self.cpus} RealMemory=1000 State=UNKNOWN
+CPUs={self.cpus} RealMemory=1000 Feature=tpe,cpu{gres} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+{"GresTypes=gpu" if self.gpus else ""}
 """
         )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -448,7 +449,8 @@ class EvalConfig(Section):
 
 class Config(Section):
     preset: str = "demo"
-    """Name of the preset this config came from (informational)."""
+    """Name of the preset this config came from: letters, digits and ._- (it names the run directory and
+    Slurm jobs); default the preset file's name."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """Architecture."""
     data: DataConfig = Field(default_factory=DataConfig)
@@ -459,6 +461,17 @@ class Config(Section):
     """Decoding and scoring."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     """Tensor parallelism (ZeRO stage and offload come from the launch file)."""
+
+    @field_validator("preset")
+    @classmethod
+    def _preset_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", value):
+            raise ValueError(
+                f"preset name {value!r} may hold only letters, digits and '._-', starting with a letter or "
+                "digit (it names the run directory and Slurm jobs); set 'preset: NAME' in the preset file "
+                "or rename the file"
+            )
+        return value
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:
