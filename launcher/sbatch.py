@@ -317,6 +317,9 @@ def _site_value(path: Path, key: str, name: str, value: Any) -> Any:
                 extra_option(spec)
         except LaunchError as err:
             raise LaunchError(f"site file {path}: {err}") from None
+    elif name == "time" and not isinstance(value, str):
+        # YAML 1.1 reads 12:00:00 as a number of seconds (43200): only a quoted time is unambiguous
+        raise LaunchError(f"site file {path}: time must be quoted, e.g. time: '12:00:00' (got {value!r})")
     else:
         value = str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
         ok = isinstance(value, str)

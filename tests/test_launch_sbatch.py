@@ -278,6 +278,7 @@ def test_site_file_sets_defaults_and_flags_win(
         ("cpus-per-gpu: -1\n", "cpus-per-gpu must be a whole number >= 0"),
         ("sbatch: [nodes=4]\n", "--nodes is set by --nodes"),
         ("- a list\n", "must be a YAML mapping"),
+        ("time: 12:00:00\n", "time must be quoted, e.g. time: '12:00:00' (got 43200)"),
         ("partition: [gpu\n", "cannot read it as YAML"),
     ],
 )
