@@ -124,7 +124,7 @@ def _site_args(p: argparse.ArgumentParser) -> None:
         action="append",
         default=[],
         metavar="OPTION=VALUE",
-        help="any other sbatch option, one each (e.g. --sbatch gres=gpu:a100:8 --sbatch hold)",
+        help="any other sbatch option, one each (e.g. --sbatch reservation=mine --sbatch hold)",
     )
 
 
