@@ -29,6 +29,7 @@ TINY = [
     "train.threads=1", "eval.at_end=false", "eval.max_tokens=120", "eval.max_len_b=4",
 ]  # fmt: skip
 WRITERS = ("export", "average", "hf", "ctranslate2")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
@@ -183,3 +184,76 @@ def test_prune_removes_its_own_temporaries_and_leaves_what_it_cannot_read(
     text = caplog.text
     assert f"not pruning {newer}: a manifest of format 'tpe-train-checkpoint/9'" in text
     assert f"not pruning {coming}: no manifest" in text
+
+
+@pytest.mark.integration
+def test_reshard_writes_a_new_run_directory_or_replaces_its_own(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    checkpoint = str(run_dir / "checkpoints" / "step-00000004")
+    launch = str(ROOT / "configs" / "accelerate" / "cpu_single.yaml")
+
+    def reshard(out: Path, config_file: str = launch) -> int:
+        return ckpt_main(["reshard", checkpoint, "--config_file", config_file, "--out", str(out)])
+
+    mydocs = tmp_path / "mydocs"
+    mydocs.mkdir()
+    (mydocs / "thesis.txt").write_text("chapter one\n")
+    other = shutil.copytree(run_dir, tmp_path / "other-run")
+    before = snapshot(other)
+    assert reshard(mydocs) == 2 and reshard(other) == 2  # refused before anything starts
+    err = capsys.readouterr().err
+    assert "thesis.txt" in err and f"--out {other} is a run directory" in err
+    assert snapshot(mydocs) == {"thesis.txt": b"chapter one\n"} and snapshot(other) == before
+    out = tmp_path / "resharded"
+    assert reshard(out) == 0
+    first = snapshot(out)
+    assert marker(out)["kind"] == "reshard" and "checkpoints/step-00000004/manifest.json" in first
+    with pytest.raises(SystemExit):  # the trainer fails (no such launch file): the earlier one is back
+        reshard(out, str(tmp_path / "missing.yaml"))
+    assert snapshot(out) == first and leftovers(tmp_path) == []
+    assert reshard(out) == 0 and leftovers(tmp_path) == []
+    assert marker(out)["kind"] == "reshard" and (out / "checkpoints" / "step-00000004").is_dir()
+
+
+DATA = ["data.synthetic.train_size=100", "data.synthetic.valid_size=6", "data.synthetic.test_size=6",
+        "data.synthetic.long_size=0", "data.synthetic.probe_size=4", "data.vocab_size=60"]  # fmt: skip
+
+
+def test_tpe_data_prepare_writes_only_its_own_store_folder(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from datasets import Dataset
+
+    from tpe_train.data.cli import main as data_main
+    from tpe_train.data.store import store_path
+
+    def prepare(root: Path, *extra: str) -> int:
+        return data_main(["prepare", *DATA, f"data.store_dir={root}", *extra])
+
+    taken = store_path(load_config("demo", [*DATA, f"data.store_dir={tmp_path / 'a'}"]).data)
+    taken.mkdir(parents=True)
+    (taken / "thesis.txt").write_text("chapter one\n")
+    assert prepare(tmp_path / "a") == 2  # the store's own path holds a user's folder: refused, kept
+    assert f"{taken} exists but is not a token store" in capsys.readouterr().err
+    assert snapshot(taken) == {"thesis.txt": b"chapter one\n"}
+    other = shutil.copytree(run_dir, tmp_path / "other-run")  # a run directory as data.store_dir
+    before = snapshot(other)
+    assert prepare(other) == 0
+    store = store_path(load_config("demo", [*DATA, f"data.store_dir={other}"]).data)
+    assert {k: v for k, v in snapshot(other).items() if not k.startswith(store.name)} == before
+    assert marker(store)["kind"] == "token-store"
+    built = snapshot(store)
+    assert prepare(other) == 0 and snapshot(store) == built  # again: reused as it is
+    save = Dataset.save_to_disk
+
+    def full_disk(self: Dataset, path: str, **kw: object) -> None:
+        if path.endswith("valid"):
+            raise OSError(28, "No space left on device")
+        save(self, path, **kw)
+
+    monkeypatch.setattr(Dataset, "save_to_disk", full_disk)
+    with pytest.raises(OSError, match="No space left"):
+        prepare(other, "data.vocab_size=70")  # another store, failing midway
+    assert snapshot(store) == built and leftovers(other) == []
+    assert sorted(p.name for p in other.iterdir() if p.name.startswith("synthetic-")) == [store.name]

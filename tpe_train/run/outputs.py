@@ -153,6 +153,12 @@ def _fsync_tree(folder: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+def mark_output(folder: Path, command: str, kind: str) -> None:
+    """Write the marker of a finished output built in ``folder`` (before it is renamed into place), for
+    a writer that publishes on its own (a token store, which is never replaced, only reused)."""
+    _write_marker(folder, command, kind)
+
+
 def _write_marker(folder: Path, command: str, kind: str) -> None:
     data = {"version": VERSION, "command": command, "kind": kind, "files": files_of(folder)}
     write_json(folder / MARKER, data)
