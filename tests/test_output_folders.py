@@ -257,3 +257,99 @@ def test_tpe_data_prepare_writes_only_its_own_store_folder(
         prepare(other, "data.vocab_size=70")  # another store, failing midway
     assert snapshot(store) == built and leftovers(other) == []
     assert sorted(p.name for p in other.iterdir() if p.name.startswith("synthetic-")) == [store.name]
+
+
+def small_study(root: Path, bleu: float = 10.0) -> Path:
+    """A study of one setting and seed whose run has figures (no training)."""
+    from tpe_train.study.grid import Study, parse_setting
+
+    study = Study(root, "demo", settings=["rope"], seeds=[1])
+    study.save()
+    path = study.eval_path(parse_setting("rope"), 1)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figures = {"bleu": bleu, "chrf": 2 * bleu, "exact_match": 0.1, "probe_accuracy": None, "probe_pairs": 0,
+               "test_sentences": 4, "bleu_by_length": {}, "bleu_signature": "nrefs:1"}  # fmt: skip
+    path.write_text(json.dumps(figures))
+    return root
+
+
+@pytest.mark.slow
+def test_the_study_report_replaces_only_an_earlier_report(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tpe_train.study import report
+    from tpe_train.study.cli import main as study_main
+
+    root = small_study(tmp_path / "study")
+    folder = root / "report"
+    folder.mkdir()
+    (folder / "thesis.txt").write_text("chapter one\n")
+    assert study_main(["report", str(root)]) == 2
+    assert f"--out {folder} exists and holds files" in capsys.readouterr().err
+    assert snapshot(folder) == {"thesis.txt": b"chapter one\n"}
+    shutil.rmtree(folder)
+    shutil.copytree(run_dir, folder)  # a run directory where the report goes
+    before = snapshot(folder)
+    assert study_main(["report", str(root)]) == 2 and snapshot(folder) == before
+    assert "is a run directory" in capsys.readouterr().err
+    shutil.rmtree(folder)
+    assert study_main(["report", str(root)]) == 0
+    first = snapshot(folder)
+    assert marker(folder)["kind"] == "study-report" and "| `rope` | 1 | 10.00" in first["report.md"].decode()
+    small_study(root, bleu=20.0)
+    assert study_main(["report", str(root)]) == 0
+    assert "| `rope` | 1 | 20.00" in (folder / "report.md").read_text()
+    assert len(list((folder / "tb").glob("events.out.tfevents.*"))) == 1 and leftovers(root) == []
+    second = snapshot(folder)
+    small_study(root, bleu=30.0)
+    monkeypatch.setattr(report, "summary", lambda *a: (_ for _ in ()).throw(OSError(28, "No space left")))
+    with pytest.raises(OSError, match="No space left"):
+        study_main(["report", str(root)])
+    assert snapshot(folder) == second and leftovers(root) == []
+    (folder / MARKER).unlink()  # a report written before markers: still replaced
+    monkeypatch.undo()
+    assert study_main(["report", str(root)]) == 0 and marker(folder) is not None
+
+
+@pytest.mark.slow
+def test_a_study_archive_refuses_what_is_not_an_archive_and_keeps_whole_files(
+    run_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from tpe_train.study import archive
+    from tpe_train.study.cli import main as study_main
+
+    root = small_study(tmp_path / "study")
+    mydocs = tmp_path / "mydocs"
+    mydocs.mkdir()
+    (mydocs / "thesis.txt").write_text("chapter one\n")
+    other = shutil.copytree(run_dir, tmp_path / "other-run")
+    before = snapshot(other)
+    for dest in (mydocs, other, root / "archive"):
+        assert study_main(["archive", str(root), str(dest)]) == 2
+        assert "nothing was written" in capsys.readouterr().err or not (root / "archive").exists()
+    assert snapshot(mydocs) == {"thesis.txt": b"chapter one\n"} and snapshot(other) == before
+    assert not (root / "report").exists()  # refused before the study's report was written
+    dest = tmp_path / "archive"
+    assert study_main(["archive", str(root), str(dest)]) == 0
+    assert marker(dest / "report")["command"] == "tpe-study archive"
+    (dest / "report" / "thesis.txt").write_text("mine")  # a user's file in the archive's report: refused
+    assert study_main(["archive", str(root), str(dest)]) == 2 and (dest / "report" / "thesis.txt").is_file()
+    (dest / "report" / "thesis.txt").unlink()
+    first = snapshot(dest)
+    small_study(root, bleu=20.0)  # the run's figures change; archiving fails while the report is copied
+    copy = archive._copy
+
+    def failing(src: Path, dst: Path) -> None:
+        if "report" in dst.parent.name:
+            raise OSError(28, "No space left on device")
+        copy(src, dst)
+
+    monkeypatch.setattr(archive, "_copy", failing)
+    with pytest.raises(OSError, match="No space left"):
+        study_main(["archive", str(root), str(dest)])
+    now = snapshot(dest)  # every file whole (the run's figures already the new ones), the report earlier
+    assert now.keys() == first.keys() and leftovers(dest) == [] and leftovers(dest / "report") == []
+    assert {k: v for k, v in now.items() if k.startswith("report/")} == {
+        k: v for k, v in first.items() if k.startswith("report/")
+    }
+    assert json.loads(now["runs/s1/rope/eval.json"])["bleu"] == 20.0
