@@ -353,3 +353,48 @@ def test_a_study_archive_refuses_what_is_not_an_archive_and_keeps_whole_files(
         k: v for k, v in first.items() if k.startswith("report/")
     }
     assert json.loads(now["runs/s1/rope/eval.json"])["bleu"] == 20.0
+
+
+CHILD = """
+import os, signal, sys
+from pathlib import Path
+from tpe_train.run import outputs
+
+out, stage = Path(sys.argv[1]), sys.argv[2]
+rename = os.rename
+calls = []
+
+def killed_midway(a, b):  # the swap's second rename: the old output aside, the new one not in place
+    calls.append(a)
+    if len(calls) == 2:
+        os.kill(os.getpid(), signal.SIGKILL)
+    rename(a, b)
+
+outputs._exchange = lambda a, b: False  # the two-rename swap, where a kill can fall between them
+os.rename = killed_midway
+with outputs.written_directory(out, "test", "export") as tmp:
+    (tmp / "weights").write_text("new")
+    if stage == "writing":
+        os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stage", ["writing", "swapping"])
+def test_a_writer_killed_midway_leaves_the_earlier_output_or_puts_it_back(stage: str, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from tpe_train.run.outputs import recover, written_directory
+
+    out = tmp_path / "exported"
+    with written_directory(out, "test", "export") as tmp:
+        (tmp / "weights").write_text("old")
+    first = snapshot(out)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(out), stage], cwd=ROOT, timeout=60)
+    assert proc.returncode == -9
+    # killed while writing: the half-built folder beside it; while swapping: the old one aside too
+    assert len(leftovers(tmp_path)) == (1 if stage == "writing" else 2)
+    assert out.exists() == (stage == "writing")
+    recover(out)  # what the next writer of the folder does first
+    assert snapshot(out) == first and leftovers(tmp_path) == []

@@ -24,13 +24,18 @@ import contextlib
 import ctypes
 import errno
 import json
+import logging
 import os
+import re
 import shutil
+import socket
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-from tpe_train.run.atomic import fsync_dir, temp_name, write_json
+from tpe_train.run.atomic import TEMP_MARK, fsync_dir, temp_name, write_json
+
+log = logging.getLogger(__name__)
 
 MARKER = ".tpe-output.json"
 VERSION = 1
@@ -197,6 +202,38 @@ def _swap_in(tmp: Path, out: Path) -> None:
     fsync_dir(out.parent)
 
 
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def recover(out: Path) -> None:
+    """Tidy what a writer of ``out`` on this host left when it was killed (its temporaries carry host and
+    pid): a half-built ``new`` folder is removed; an ``old`` one, moved aside during a swap, is put back
+    when ``out`` is missing (the swap stopped halfway), else removed (the swap had finished)."""
+    out = Path(out)
+    host = socket.gethostname().split(".")[0] or "host"
+    prefix = re.escape(f".{out.name}{TEMP_MARK}")
+    pattern = re.compile(rf"^{prefix}(new|old)-{re.escape(host)}-(\d+)-[0-9a-f]+$")
+    if not out.parent.is_dir():
+        return
+    for path in sorted(out.parent.iterdir()):
+        m = pattern.match(path.name)
+        if m is None or not path.is_dir() or _alive(int(m.group(2))):
+            continue
+        if m.group(1) == "old" and not out.exists() and not out.is_symlink():
+            os.rename(path, out)
+            log.warning("put %s back: a replacement of it was stopped halfway", out)
+        else:
+            shutil.rmtree(path, ignore_errors=True)
+            log.info("removed %s, left by a stopped writer of %s", path.name, out)
+
+
 @contextlib.contextmanager
 def written_directory(
     out: Path,
@@ -211,6 +248,7 @@ def written_directory(
     swapped in. An exception removes the temporary folder and leaves ``out`` as it was."""
     out = Path(out)
     sources = [Path(s) for s in sources]
+    recover(out)
     check_output(out, command, kind, sources, legacy, protected)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = temp_name(out, "new")
@@ -238,7 +276,7 @@ def replaced_in_place(
     check_output(out, command, kind, sources, protected=protected)
     aside = None
     if out.exists():
-        aside = temp_name(out, "old")
+        aside = temp_name(out, "aside")  # not "old": ``recover`` must not take the partial new one for it
         os.rename(out, aside)
     try:
         yield out
