@@ -214,6 +214,9 @@ def test_reshard_writes_a_new_run_directory_or_replaces_its_own(
     assert snapshot(out) == first and leftovers(tmp_path) == []
     assert reshard(out) == 0 and leftovers(tmp_path) == []
     assert marker(out)["kind"] == "reshard" and (out / "checkpoints" / "step-00000004").is_dir()
+    # a run directory to go on with: its own exports go inside it; a third reshard then refuses it
+    assert ckpt_main(["average", str(out), "--last", "1", "--out", str(out / "averaged-last1")]) == 0
+    assert reshard(out) == 2 and "averaged-last1/" in capsys.readouterr().err
 
 
 DATA = ["data.synthetic.train_size=100", "data.synthetic.valid_size=6", "data.synthetic.test_size=6",

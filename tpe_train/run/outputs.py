@@ -100,7 +100,8 @@ def _check_place(out: Path, sources: Iterable[Path], protected: Protected | None
         if _within(real, src):
             raise _refuse(out, f"lies inside {source}, which this command reads")
     for parent in real.parents:
-        if (parent / MARKER).is_file():
+        found = marker(parent)
+        if found is not None and not found.get("nested"):  # (a resharded run directory holds exports)
             raise _refuse(out, f"lies inside {parent}, an output of tpe-train that is replaced whole")
         what = protected(parent) if protected is not None else None
         if what is not None and what[1]:
@@ -164,8 +165,10 @@ def mark_output(folder: Path, command: str, kind: str) -> None:
     _write_marker(folder, command, kind)
 
 
-def _write_marker(folder: Path, command: str, kind: str) -> None:
+def _write_marker(folder: Path, command: str, kind: str, nested: bool = False) -> None:
     data = {"version": VERSION, "command": command, "kind": kind, "files": files_of(folder)}
+    if nested:  # a run directory: other outputs (its exports) may be written inside it
+        data["nested"] = True
     write_json(folder / MARKER, data)
 
 
@@ -280,7 +283,7 @@ def replaced_in_place(
         os.rename(out, aside)
     try:
         yield out
-        _write_marker(out, command, kind)
+        _write_marker(out, command, kind, nested=True)
     except BaseException:
         shutil.rmtree(out, ignore_errors=True)
         if aside is not None:
