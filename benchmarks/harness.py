@@ -413,10 +413,12 @@ class TrainRow:
         """Hook: what a row changes on a model shared with other rows (backend, compilation)."""
 
     def logits(self, b: Batch) -> Tensor:
-        if self.hf:
-            from peers import hf_logits
-
-            return hf_logits(self.model, b.src, b.tgt_in)
+        if self.hf:  # a Hugging Face encoder-decoder's training forward, no cache
+            mask = (b.src != PAD_ID).long()
+            out = self.model(
+                input_ids=b.src, attention_mask=mask, decoder_input_ids=b.tgt_in, use_cache=False
+            )
+            return out.logits
         return self.model(b.src, b.tgt_in)  # type: ignore[no-any-return]
 
     def step(self) -> None:
