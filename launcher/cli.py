@@ -20,8 +20,8 @@ from typing import NoReturn
 
 from launcher.plan import (
     LaunchError,
+    LaunchFile,
     LaunchPlan,
-    Layout,
     NodeEnv,
     Resources,
     batch_line,
@@ -125,7 +125,7 @@ def plan_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchPl
     if cpus is None and not gpus and env.get("SLURM_CPUS_ON_NODE", "").isdigit():
         cpus = int(env["SLURM_CPUS_ON_NODE"])
     res = Resources.build(nodes, gpus, args.procs_per_node, cpus)
-    layout = Layout.load(args.layout) if args.layout else Layout.default(res)
+    layout = LaunchFile.load(args.layout) if args.layout else LaunchFile.default(res)
     overrides = list(args.overrides)
     if args.sweep == "positions":
         if not args.sweep_root:

@@ -22,7 +22,6 @@ from tpe_train.config import ConfigError, DataConfig
 from tpe_train.evaluation import evaluate as evaluate_module
 from tpe_train.evaluation import translate as translate_module
 from tpe_train.evaluation.decoding import DecodeOptions, InputError, device_from_arg, utf8_lines
-from tpe_train.evaluation.diagnostics import add_diagnostics_option, report_diagnostics
 from tpe_train.evaluation.ensemble import load_models
 from tpe_train.evaluation.evaluate import (
     EvalFiles,
@@ -36,6 +35,7 @@ from tpe_train.evaluation.evaluate import (
     format_comparison,
     format_evaluation,
 )
+from tpe_train.evaluation.position_report import add_diagnostics_option, report_diagnostics
 from tpe_train.evaluation.translate import translate_stream
 from tpe_train.model.transformer import Transformer
 

@@ -125,11 +125,11 @@ def position_bytes(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, PositionEncoding):
             for t in [*module.parameters(), *module.buffers()]:
-                total += _local_numel(t) * t.element_size()
+                total += local_numel(t) * t.element_size()
     return total
 
 
-def _local_numel(t: Tensor) -> int:
+def local_numel(t: Tensor) -> int:
     """Elements this rank holds (a ZeRO-3 parameter keeps only its partition in ``ds_tensor``)."""
     ds_tensor = getattr(t, "ds_tensor", None)
     return int(ds_tensor.numel()) if ds_tensor is not None else t.numel()
