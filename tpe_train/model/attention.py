@@ -406,19 +406,12 @@ class Attention(nn.Module):
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float, is_causal: bool = False) -> Tensor:
     """``F.scaled_dot_product_attention`` on a GPU; on the CPU the math backend or the same formula
-    written out, whichever measured faster for the call.
-
-    PyTorch's CPU flash kernel is about 3x slower than the math backend in bf16 at translation
-    lengths (forward + backward, (128, 4, 37, 64): 60 ms against 22 ms), which alone ate bf16's gain,
-    and slightly slower in fp32 too (24 against 21 ms). The math backend itself widens bf16 q, k and
-    v to fp32 and narrows the output back (four copies of each (B, H, L, hd) tensor per layer,
-    forward and backward); with a float mask (T5, ALiBi, or padding + causality) it is slower in
-    fp32 too. Those calls take ``_written_out`` (bf16 scores, softmax in fp32): forward + backward
-    of (128, 4, 37, 64) with a padding mask, one thread, 27 against 47 ms in bf16, and with a float
-    mask 30 against 44 ms in bf16 and 44 against 61 ms in fp32. fp32 with a boolean mask or none
-    keeps the math backend (42 against 45 ms). For the few queries of an incremental decoding step
-    (one token, or the beams of a sentence against its memory) the formula is used too (only without
-    gradients, so that a compiled training step never specialises on the length).
+    written out (``_written_out``: bf16 scores, softmax in fp32), whichever measured faster for the call
+    (docs/cpu-kernels.md#attention): bf16, and fp32 with a float mask (T5, ALiBi, or padding +
+    causality), take the formula; fp32 with a boolean mask or none keeps the math backend; PyTorch's
+    CPU flash kernel is never used. For the few queries of an incremental decoding step (one token,
+    or the beams of a sentence against its memory) the formula is used too (only without gradients,
+    so that a compiled training step never specialises on the length).
     """
     if q.device.type != "cpu" or _Route.gpu:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)
