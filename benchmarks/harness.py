@@ -2,7 +2,8 @@
 measure the GEMM peak and memory, and write their figures.
 
 Scripts import it as ``from harness import ...`` (``python benchmarks/x.py`` puts ``benchmarks/`` first
-on ``sys.path``; the package itself is installed). The Hugging Face peers are in ``peers.py``.
+on ``sys.path``; the package itself is installed), the GPU checks of ``gpu/`` as ``benchmarks.harness``.
+The Hugging Face peers are in ``peers.py``, which imports this module (never the other way).
 
 - **Timing** (``interleave``): every row warmed up first (its untimed steps), then rounds of one timed
   step per row, the order rotated every round, so that a load change on a shared machine hits all rows

@@ -2,7 +2,7 @@
 pass and in incremental decoding; how ``auto`` chooses; the errors of impossible choices.
 
 On the CPU ``flex`` runs torch's unfused FlexAttention (the same score_mod and BlockMask the fused GPU
-kernel takes); benchmarks/gpu_attention.py checks the fused kernel, gradients included, on a GPU.
+kernel takes); benchmarks/gpu/attention.py checks the fused kernel, gradients included, on a GPU.
 """
 
 from __future__ import annotations
