@@ -349,12 +349,16 @@ FAKE_LAUNCH = textwrap.dedent(
 )
 
 
+#: what the launcher's main sets up before it supervises: its messages on stderr
+LOGGING = "import os, sys; from launcher.cli import configure_logging; configure_logging(); "
+
+
 def _start_node_run(tmp_path: Path, delay: float, **env: str) -> tuple[subprocess.Popen[str], Path]:
     script = tmp_path / "fake_launch.py"
     script.write_text(FAKE_LAUNCH)
     out = tmp_path / "rank.out"
     driver = (
-        "import os, sys; from launcher.supervise import run_node; "
+        f"{LOGGING}from launcher.supervise import run_node; "
         f"sys.exit(run_node([sys.executable, {str(script)!r}, 'agent', {str(out)!r}, '{delay}'], "
         "{k: v for k, v in os.environ.items() if not k.startswith('SLURM_')}))"
     )
@@ -413,7 +417,7 @@ def test_a_signal_before_the_handler_reaches_the_rank_once_it_listens(tmp_path: 
 def test_supervisor_passes_failures_through_and_75_outside_slurm() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     driver = (
-        "import os, sys; from launcher.supervise import supervise_job; "
+        f"{LOGGING}from launcher.supervise import supervise_job; "
         "sys.exit(supervise_job(sys.argv[1:], os.environ))"
     )
     for code in (0, 3, 75):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -34,6 +35,9 @@ from tpe_train.ckpt.export import META, WEIGHTS, export_mean, load_export, save_
 from tpe_train.ckpt.rundir import CONFIG, TOKENIZER, RunDir
 from tpe_train.ckpt.store import LATEST, MANIFEST, TRAINER, CheckpointError, Entry, entries, latest_complete
 from tpe_train.config import ConfigError
+from tpe_train.run import logs
+
+log = logging.getLogger(__name__)
 
 
 def _complete(run_dir: Path) -> list[Entry]:
@@ -81,7 +85,7 @@ def cmd_list(args: argparse.Namespace) -> None:
 def cmd_average(args: argparse.Namespace) -> None:
     chosen = _complete(Path(args.run_dir))[-args.last :]
     if len(chosen) < args.last:
-        print(f"tpe-ckpt: only {len(chosen)} complete checkpoints; averaging those", file=sys.stderr)
+        log.warning("only %d complete checkpoints; averaging those", len(chosen))
     out = export_mean([e.path for e in chosen], Path(args.out))
     print(f"averaged {', '.join(e.path.name for e in chosen)} -> {out}")
 
@@ -179,12 +183,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deepspeed-shards", action="store_true", help="also write DeepSpeed's own shard files")
     p.set_defaults(fn=cmd_reshard)
     args = parser.parse_args(argv)
+    logs.configure("tpe-ckpt")
     if getattr(args, "last", 1) < 1:
         parser.error("--last must be at least 1")
     try:
         args.fn(args)
     except (CheckpointError, ConfigError, FileNotFoundError) as err:
-        print(f"tpe-ckpt: {err}", file=sys.stderr)
+        log.error("%s", err)
         return 2
     return 0
 
