@@ -230,3 +230,16 @@ def test_the_cycle_check_finds_a_cycle_through_a_deferred_import(tmp_path: Path)
     (tmp_path / "scripts" / "y.py").write_text("def z():\n    import x\n")
     graph = import_graph(tmp_path, ("pkg", "scripts"))
     assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"], ["scripts.x", "scripts.y"]]
+
+
+def test_benchmarks_share_through_the_harness_only() -> None:
+    """A benchmark imports the harness and the peers, never another benchmark; the harness imports no
+    benchmark module at all (the peers import it). The GPU checks (benchmarks/gpu/) use the harness too."""
+    graph = import_graph()
+    shared = {"benchmarks.harness", "benchmarks.peers"}
+    for name, found in graph.items():
+        mine = {m for m in found if m.startswith("benchmarks.")}
+        if name == "benchmarks.harness":
+            assert not mine, f"the harness imports {sorted(mine)}"
+        elif name.startswith("benchmarks.") and not name.startswith("benchmarks.gpu"):
+            assert mine <= shared, f"{name} imports {sorted(mine - shared)}: share it through the harness"
