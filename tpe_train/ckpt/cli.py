@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -42,7 +43,10 @@ from tpe_train.ckpt.export import (
 from tpe_train.ckpt.rundir import CONFIG, TOKENIZER, RunDir
 from tpe_train.ckpt.store import LATEST, MANIFEST, TRAINER, CheckpointError, Entry, entries, latest_complete
 from tpe_train.config import ConfigError
+from tpe_train.run import logs
 from tpe_train.run.outputs import OutputRefused, check_output, replaced_in_place
+
+log = logging.getLogger(__name__)
 
 
 def _complete(run_dir: Path) -> list[Entry]:
@@ -97,7 +101,7 @@ def cmd_average(args: argparse.Namespace) -> None:
     check_export_out(Path(args.out), "tpe-ckpt average", [_read_from(Path(args.run_dir))])
     chosen = _complete(Path(args.run_dir))[-args.last :]
     if len(chosen) < args.last:
-        print(f"tpe-ckpt: only {len(chosen)} complete checkpoints; averaging those", file=sys.stderr)
+        log.warning("only %d complete checkpoints; averaging those", len(chosen))
     out = export_mean([e.path for e in chosen], Path(args.out), "tpe-ckpt average")
     print(f"averaged {', '.join(e.path.name for e in chosen)} -> {out}")
 
@@ -201,12 +205,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deepspeed-shards", action="store_true", help="also write DeepSpeed's own shard files")
     p.set_defaults(fn=cmd_reshard)
     args = parser.parse_args(argv)
+    logs.configure("tpe-ckpt")
     if getattr(args, "last", 1) < 1:
         parser.error("--last must be at least 1")
     try:
         args.fn(args)
     except (CheckpointError, ConfigError, FileNotFoundError, OutputRefused) as err:
-        print(f"tpe-ckpt: {err}", file=sys.stderr)
+        log.error("%s", err)
         return 2
     return 0
 

@@ -27,7 +27,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -352,10 +352,3 @@ def read_tensor(directory: Path, index: dict[str, Any], name: str) -> Tensor:
     out = torch.empty(shape, dtype=torch.float32)
     Plan(directory, index, [(Region.whole(name, shape), out.view(-1))]).run()
     return out
-
-
-def iter_tensors(
-    directory: Path, index: dict[str, Any], names: Iterable[str]
-) -> Iterator[tuple[str, Tensor]]:
-    for name in names:
-        yield name, read_tensor(directory, index, name)

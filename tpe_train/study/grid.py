@@ -92,14 +92,6 @@ def parse_setting(name: str) -> Setting:
     return Setting(kind, variant)
 
 
-def setting_of(cfg: Config) -> Setting:
-    """The setting a resolved config trains (for runs found on disk)."""
-    p = cfg.model.position
-    if p.kind == "none" or not (p.encoder or p.decoder):
-        return Setting("none")
-    return Setting(p.kind, "" if p.encoder and p.decoder else ("noenc" if p.decoder else "nodec"))
-
-
 def parse_seeds(text: str) -> list[int]:
     """``1,2,3`` or ``1-3`` (or both: ``1-3,7``) -> [1, 2, 3]."""
     seeds: list[int] = []

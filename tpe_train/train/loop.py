@@ -29,7 +29,7 @@ from tpe_train.data.corpus import Prepared, TrainBatches, prepare
 from tpe_train.evaluation.evaluate import EvalFiles, config_sets, evaluate, format_table
 from tpe_train.parallel.checkpointing import apply_activation_checkpointing
 from tpe_train.parallel.context import ParallelContext
-from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layout
+from tpe_train.parallel.deepspeed import ProcessLayout, deepspeed_config, resolve_layout
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report
 from tpe_train.parallel.plan import apply_tensor_parallel
@@ -78,7 +78,7 @@ def prepare_data(cfg: Config, ctx: ParallelContext) -> Prepared:
     return data
 
 
-def build_engine(cfg: Config, data: Prepared, ctx: ParallelContext, layout: Layout) -> Engine:
+def build_engine(cfg: Config, data: Prepared, ctx: ParallelContext, layout: ProcessLayout) -> Engine:
     """Model (same initial weights on every rank), position shards, optimizer, schedule, engine."""
     model = build_model(cfg, data.tokenizer)
     apply_tensor_parallel(model, ctx)
@@ -138,7 +138,7 @@ def run(cfg: Config) -> dict[str, Any]:
         return train(cfg, layout, ctx)
 
 
-def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
+def train(cfg: Config, layout: ProcessLayout, ctx: ParallelContext) -> dict[str, Any]:
     """The run itself, once this process's rank 0 owns the run directory."""
     seed_everything(cfg.train.seed)
     if cfg.train.threads:
