@@ -23,17 +23,26 @@ A model that the format cannot represent exactly is refused, with the reason.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from tpe_train.ckpt.export import META, WEIGHTS, export_mean, load_export, save_export
+from tpe_train.ckpt.export import WEIGHTS, export_mean, load_export, read_meta, save_export
 from tpe_train.ckpt.rundir import CONFIG, TOKENIZER, RunDir
-from tpe_train.ckpt.store import LATEST, MANIFEST, TRAINER, CheckpointError, Entry, entries, latest_complete
+from tpe_train.ckpt.store import (
+    MANIFEST,
+    TRAINER,
+    CheckpointError,
+    Entry,
+    entries,
+    latest_complete,
+    latest_named,
+)
 from tpe_train.config import ConfigError
+from tpe_train.run import members
+from tpe_train.run.readers import reading
 
 
 def _complete(run_dir: Path) -> list[Entry]:
@@ -64,7 +73,8 @@ def _checkpoint(path: Path) -> Path:
 def cmd_list(args: argparse.Namespace) -> None:
     root = RunDir(Path(args.run_dir)).checkpoints
     found = entries(root)
-    latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else ""
+    named = latest_named(root)
+    latest = named.name if named is not None else ""
     print(f"{'checkpoint':22s} {'step':>8s} {'state':10s} {'layout':28s} {'size':>10s}")
     for e in found:
         lay = e.layout
@@ -79,10 +89,11 @@ def cmd_list(args: argparse.Namespace) -> None:
 
 
 def cmd_average(args: argparse.Namespace) -> None:
-    chosen = _complete(Path(args.run_dir))[-args.last :]
-    if len(chosen) < args.last:
-        print(f"tpe-ckpt: only {len(chosen)} complete checkpoints; averaging those", file=sys.stderr)
-    out = export_mean([e.path for e in chosen], Path(args.out))
+    with reading(RunDir.readers_root(Path(args.run_dir))):  # no prune while chosen and read
+        chosen = _complete(Path(args.run_dir))[-args.last :]
+        if len(chosen) < args.last:
+            print(f"tpe-ckpt: only {len(chosen)} complete checkpoints; averaging those", file=sys.stderr)
+        out = export_mean([e.path for e in chosen], Path(args.out))
     print(f"averaged {', '.join(e.path.name for e in chosen)} -> {out}")
 
 
@@ -96,6 +107,11 @@ def _is_export(path: Path) -> bool:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
+    with reading(RunDir.readers_root(Path(args.checkpoint))):  # no prune while chosen and read
+        _export(args)
+
+
+def _export(args: argparse.Namespace) -> None:
     source, out = Path(args.checkpoint), Path(args.out)
     if args.quantization and args.format != "ctranslate2":
         raise ConfigError(
@@ -117,8 +133,7 @@ def cmd_export(args: argparse.Namespace) -> None:
             model, cfg, tok = load_export(native)
         except ValueError as err:  # a hash or shape that does not match: the export is damaged
             raise CheckpointError(str(err)) from None
-        meta = native / META
-        step = int(json.loads(meta.read_text()).get("step", 0)) if meta.is_file() else 0
+        step = read_meta(native).get("step", 0)
         if args.format == "native":
             written = save_export(out, model, cfg, tok, step)
         elif args.format == "hf":
@@ -133,8 +148,13 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_reshard(args: argparse.Namespace) -> None:
+    with reading(RunDir.readers_root(Path(args.checkpoint))):  # no prune while the new layout reads it
+        _reshard(args)
+
+
+def _reshard(args: argparse.Namespace) -> None:
     path = _checkpoint(Path(args.checkpoint))
-    step = int(json.loads((path / TRAINER).read_text())["step"])
+    step = members.read_json(path, TRAINER, {"step": int}, error=CheckpointError)["step"]
     out = Path(args.out)
     if RunDir(out).checkpoints.exists():
         raise CheckpointError(f"{out} already holds checkpoints; choose a new --out run directory")
