@@ -153,7 +153,8 @@ def inspect(path: Path) -> Entry:
     for rel, info in manifest["files"].items():
         found = members.lstat_regular(path / rel)
         if found is None or found.st_size != info["size"]:
-            return Entry(path, step, False, f"{rel} missing or truncated", size, manifest["layout"])
+            why = "a symlink" if (path / rel).is_symlink() else "missing, truncated or not a plain file"
+            return Entry(path, step, False, f"{rel} {why}", size, manifest["layout"])
     return Entry(path, manifest["step"], True, "", size, manifest["layout"])
 
 

@@ -70,6 +70,8 @@ def _name_problem(name: object, nested: bool) -> str | None:
         return "holds a NUL character"
     if os.path.isabs(name) or name.startswith(("/", "\\")):
         return "is absolute"
+    if name == ".." or name.startswith(("../", "..\\")) or "/../" in name:
+        return "points outside its folder"
     parts = name.split("/") if nested else [name]
     for part in parts:
         if part in ("", ".", ".."):
@@ -91,20 +93,17 @@ def open_member(
     path = Path(folder) / name
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC  # a fifo opens without waiting
     parts = name.split("/")
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    for depth in range(1, len(parts)):  # a nested name: no folder on the way is a symlink
+        inner = Path(folder, *parts[:depth])
+        if _is_link(inner):
+            raise error(f"{inner} is a symlink, where a folder of {folder} is expected; {FIX}")
     try:
-        for part in parts[:-1]:  # a nested name: every folder on the way, none a symlink
-            inner = os.open(part, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd)
-            os.close(fd)
-            fd = inner
-        member = os.open(parts[-1], flags, dir_fd=fd)
+        member = os.open(path, flags)
     except FileNotFoundError:
         raise error(f"{path} does not exist; the folder is incomplete: {FIX}") from None
     except OSError as err:
         kind = "a symlink" if _is_link(path) else os.strerror(err.errno or 0)
         raise error(f"{path} cannot be read as a file of {folder} ({kind}); {FIX}") from None
-    finally:
-        os.close(fd)
     info = os.fstat(member)
     problem = None
     if not stat.S_ISREG(info.st_mode):
@@ -191,7 +190,8 @@ def check_type(value: Any, kind: type | tuple[type, ...], what: str, error: Erro
         ok = isinstance(value, kinds)
     if not ok:
         names = " or ".join(k.__name__ for k in kinds)
-        raise error(f"{what} is {json.dumps(value)[:60]}, where a {names} is expected; {FIX}")
+        article = "an" if names[0] in "aeiou" else "a"
+        raise error(f"{what} is {json.dumps(value)[:60]}, where {article} {names} is expected; {FIX}")
     return value
 
 
