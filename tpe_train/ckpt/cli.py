@@ -32,6 +32,7 @@ from pathlib import Path
 from tpe_train.ckpt.export import WEIGHTS, export_mean, load_export, read_meta, save_export
 from tpe_train.ckpt.rundir import CONFIG, TOKENIZER, RunDir
 from tpe_train.ckpt.store import (
+    LATEST,
     MANIFEST,
     TRAINER,
     CheckpointError,
@@ -56,7 +57,11 @@ def _complete(run_dir: Path) -> list[Entry]:
 
 
 def _checkpoint(path: Path) -> Path:
-    """A checkpoint directory, or a run directory's latest complete one."""
+    """A checkpoint directory, a run directory's latest complete one, or the one its
+    ``checkpoints/latest`` names."""
+    if path.name == LATEST and RunDir.of_checkpoints(path.parent) is not None:
+        named = latest_named(path.parent)
+        path = named if named is not None else path
     if (path / MANIFEST).is_file():
         entry = next((e for e in [*entries(path.parent)] if e.path == path), None)
         if entry is None or not entry.complete:
