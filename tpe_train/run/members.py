@@ -63,7 +63,7 @@ def check_name(
 
 def _name_problem(name: object, nested: bool) -> str | None:
     if not isinstance(name, str):
-        return f"is a {type(name).__name__}, not a string"
+        return f"is of type {type(name).__name__}, not a string"
     if not name or len(name) > MAX_NAME * (8 if nested else 1):
         return "is empty or too long"
     if "\0" in name:
