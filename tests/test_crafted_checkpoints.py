@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from tpe_train.ckpt.cli import main as tpe_ckpt
-from tpe_train.ckpt.store import entries
+from tpe_train.ckpt.store import entries, resume_choice
 from tpe_train.data.store import load_store
 from tpe_train.evaluation.cli import eval_main
 from tpe_train.run import members
@@ -403,3 +403,19 @@ def test_an_export_waits_for_a_prune_in_progress(made: Path, tmp_path: Path) -> 
         assert not done and not (tmp_path / "out").exists()  # waiting, not failing
     worker.join(60)
     assert done == [0] and (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_a_corrupt_checkpoint_stays_in_place_while_a_reader_holds_the_checkpoints(
+    made: Path, tmp_path: Path
+) -> None:
+    run = tmp_path / "run"
+    shutil.copytree(made / "run", run)
+    shard = run / STEP / "model-00000.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 1
+    shard.write_bytes(bytes(data))
+    with reading(run / "checkpoints"):
+        assert resume_choice("auto", run) == run / "checkpoints" / "step-00000001"
+    assert (run / STEP).is_dir()  # not moved from under the reader
+    assert resume_choice("auto", run) == run / "checkpoints" / "step-00000001"
+    assert not (run / STEP).exists() and (run / f"{STEP}.corrupt").is_dir()

@@ -47,8 +47,6 @@ FORMAT = "tpe-train-checkpoint/2"
 FORMATS = (FORMAT, "tpe-train-checkpoint/1")  # /1: every tensor whole, in model/optimizer.safetensors
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
-__all__ = ["CheckpointError"]  # defined in ckpt.errors, imported from here by most readers
-
 
 def step_dir(root: Path, step: int) -> Path:
     return root / f"step-{step:08d}"
