@@ -24,6 +24,7 @@ import pytest
 
 from tpe_train.ckpt.cli import main as tpe_ckpt
 from tpe_train.ckpt.store import entries, resume_choice
+from tpe_train.data.cli import main as tpe_data
 from tpe_train.data.store import load_store
 from tpe_train.evaluation.cli import eval_main
 from tpe_train.run import members
@@ -351,7 +352,7 @@ def test_a_fifo_in_an_export_is_refused_without_waiting(
     [("../../../outside/model-00000.safetensors", "points outside"), ("/dev/zero", "is absolute")],
 )
 def test_a_token_store_naming_files_outside_is_refused(
-    copy: Path, opened: Opened, filename: str, said: str
+    copy: Path, capsys: pytest.CaptureFixture[str], opened: Opened, filename: str, said: str
 ) -> None:
     (store,) = [p.parent for p in (copy / "mine" / "store").glob("*/meta.json")]
     state = json.loads((store / "train" / "state.json").read_text())
@@ -360,6 +361,9 @@ def test_a_token_store_naming_files_outside_is_refused(
     opened.clear()  # from here on: what the command opens
     with pytest.raises(members.MemberError, match=said):
         load_store(store)
+    assert tpe_data(["prepare", *TINY, f"data.store_dir={store.parent}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("tpe-data: ") and said in err and "state.json names the file" in err
     assert_stayed_inside(opened, copy, [store])
 
 

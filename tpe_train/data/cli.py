@@ -9,6 +9,7 @@ import sys
 from tpe_train.config import ConfigError, load_config
 from tpe_train.data.corpus import prepare
 from tpe_train.data.sources import CorpusError
+from tpe_train.run.members import MemberError
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,7 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.preset, args.overrides)
         data = prepare(cfg.data)
-    except (ConfigError, CorpusError) as err:
+    except (ConfigError, CorpusError, MemberError) as err:  # MemberError: a damaged token store
         print(f"tpe-data: {err}", file=sys.stderr)
         return 2
     for line in data.splits.report:
