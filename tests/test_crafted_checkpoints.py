@@ -394,19 +394,25 @@ def test_pruning_waits_while_a_reader_holds_the_checkpoints(made: Path, tmp_path
     assert 5 in kept and len(kept) <= 2  # caught up (the best validation's checkpoint may stay)
 
 
-def test_an_export_waits_for_a_prune_in_progress(made: Path, tmp_path: Path) -> None:
+def test_an_export_and_tpe_eval_wait_for_a_prune_in_progress(made: Path, tmp_path: Path) -> None:
     run = tmp_path / "run"
     shutil.copytree(made / "run", run)
     done: list[int] = []
     export = ["export", str(run), "--out", str(tmp_path / "out")]
+    scoring = ["--checkpoint", str(run / "checkpoint"), "--limit", "2"]
     with alone(run / "checkpoints") as held:  # as a prune holds it
         assert held
-        worker = threading.Thread(target=lambda: done.append(tpe_ckpt(export)))
-        worker.start()
+        workers = [
+            threading.Thread(target=lambda: done.append(tpe_ckpt(export))),
+            threading.Thread(target=lambda: done.append(eval_main(scoring))),
+        ]
+        for worker in workers:
+            worker.start()
         time.sleep(1.0)
         assert not done and not (tmp_path / "out").exists()  # waiting, not failing
-    worker.join(60)
-    assert done == [0] and (tmp_path / "out" / "model.safetensors").is_file()
+    for worker in workers:
+        worker.join(120)
+    assert done == [0, 0] and (tmp_path / "out" / "model.safetensors").is_file()
 
 
 def test_a_corrupt_checkpoint_stays_in_place_while_a_reader_holds_the_checkpoints(
