@@ -11,6 +11,7 @@ from tpe_train.config import ConfigError, load_config
 from tpe_train.data.corpus import prepare
 from tpe_train.data.sources import CorpusError
 from tpe_train.run import logs
+from tpe_train.run.members import MemberError
 
 log = logging.getLogger(__name__)
 
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = load_config(args.preset, args.overrides)
         data = prepare(cfg.data)
-    except (ConfigError, CorpusError) as err:
+    except (ConfigError, CorpusError, MemberError) as err:  # MemberError: a damaged token store
         log.error("%s", err)
         return 2
     for line in data.splits.report:

@@ -30,6 +30,7 @@ from tpe_train.ckpt.rundir import RunDir
 from tpe_train.config import Config, ConfigError, load_config
 from tpe_train.evaluation.evaluate import EvalFiles
 from tpe_train.positions import POSITIONS
+from tpe_train.run import atomic
 
 #: The encodings in the order of the README's table; the default grid of ``tpe-study run``.
 ENCODINGS = ("none", "sinusoidal", "learned", "shaw", "t5", "rope", "alibi")
@@ -236,7 +237,7 @@ class Study:
         self.root.mkdir(parents=True, exist_ok=True)
         data = asdict(self)
         data.pop("root")
-        (self.root / MANIFEST).write_text(json.dumps(data, indent=2) + "\n")
+        atomic.write_json(self.root / MANIFEST, data, indent=2)
 
     @classmethod
     def load(cls, root: Path) -> Study:

@@ -33,6 +33,7 @@ from tpe_train.parallel.deepspeed import ProcessLayout, deepspeed_config, resolv
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report
 from tpe_train.parallel.plan import apply_tensor_parallel
+from tpe_train.run import atomic
 from tpe_train.run import lock as run_lock
 from tpe_train.run.exits import EXIT_PREEMPTED
 from tpe_train.train import batch_size, selection
@@ -168,7 +169,7 @@ def train(cfg: Config, layout: ProcessLayout, ctx: ParallelContext) -> dict[str,
     if writer is not None:
         writer.add_text("batch", "\n\n".join(filter(None, (batch.line(), batch.warning()))), progress.step)
     if ctx.is_main:
-        run_dir.config.write_text(asked.to_yaml())  # resolved config, before step 1
+        atomic.write_text(run_dir.config, asked.to_yaml())  # resolved config, before step 1
         batch_size.record(run_dir, batch, auto=asked.data.max_tokens == 0)
         if engine.uses_deepspeed:
             run_dir.deepspeed_config.write_text(json.dumps(deepspeed_config(cfg, layout), indent=2))
