@@ -371,5 +371,12 @@ def translate_main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"tpe-translate: interrupted after {tally.sentences:,} input lines", file=sys.stderr)
         return 130
+    except torch.OutOfMemoryError:
+        print(
+            f"tpe-translate: out of device memory while decoding the lines after line {tally.sentences:,}; "
+            "lower --max-tokens (tokens per batch) or --max-source-len, or pass --truncate",
+            file=sys.stderr,
+        )
+        return 1
     print(tally.summary(), file=sys.stderr)
     return 0

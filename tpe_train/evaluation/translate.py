@@ -18,7 +18,8 @@ with ``--truncate``. Bytes that are not UTF-8 stop the command with the line nam
 anything is translated). A file named by ``-o`` is written under a temporary name and takes its name
 only when every line is translated; a stop partway (bad input, an interrupt, memory) keeps the lines
 translated so far, flushed, in ``<output>.partial``, and an earlier ``<output>`` stays as it was.
-Throughput is printed on stderr at the end. Exit status: 0 done, 2 bad input.
+Throughput is printed on stderr at the end. Exit status: 0 done, 1 out of device memory, 2 bad
+input, 130 interrupted.
 
 Several checkpoints of one vocabulary decode as an ensemble: at every step of the beam (or greedy)
 search the log of the mean of their next-token probabilities; each keeps its own encoder output and
