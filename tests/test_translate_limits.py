@@ -137,3 +137,25 @@ def test_an_interrupt_partway_keeps_what_was_written(export: tuple[Path, Tokeniz
     assert "interrupted after 2 input lines" in err and "Traceback" not in err
     assert (tmp_path / "out.hyp.partial").read_text().count("\n") == 2
     assert not out.exists() and not tmp.exists()
+
+
+@pytest.mark.integration
+def test_a_line_of_twenty_megabytes_costs_memory_in_proportion_to_the_cap(
+    export: tuple[Path, Tokenizer], tmp_path: Path
+) -> None:
+    """About 10M tokens in one line: tokenising it whole takes over 3 GiB; only its head is tokenised."""
+    ckpt, _ = export
+    src = tmp_path / "in.src"
+    src.write_text(f"{GOOD[0]}\n" + "the small cat sees a big dog " * 700_000 + "\n")
+    run = (
+        "import resource, subprocess, sys; p = subprocess.run(sys.argv[1:], capture_output=True, text=True); "
+        "print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss); print(p.stderr)"
+    )
+    cmd = [sys.executable, "-c", run, sys.executable, "-m", "tpe_train.evaluation", "translate",
+           "--checkpoint", str(ckpt), "-i", str(src)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    code, peak_kib = proc.stdout.split("\n", 1)[0].split()
+    assert code == "2", proc.stdout
+    assert f"{src} line 2 has at least " in proc.stdout and "more than --max-source-len 1,024" in proc.stdout
+    print(f"peak RSS {int(peak_kib) // 1024} MiB")  # shown with -s
+    assert int(peak_kib) < 1536 * 1024, f"peak RSS {int(peak_kib) // 1024} MiB"

@@ -21,10 +21,15 @@ from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from tpe_train.config import ConfigError, DataConfig
-from tpe_train.data.tokenizer import encode
 from tpe_train.evaluation import evaluate as evaluate_module
 from tpe_train.evaluation import translate as translate_module
-from tpe_train.evaluation.decoding import DecodeOptions, InputError, device_from_arg, utf8_lines
+from tpe_train.evaluation.decoding import (
+    DecodeOptions,
+    InputError,
+    device_from_arg,
+    encode_capped,
+    utf8_lines,
+)
 from tpe_train.evaluation.diagnostics import add_diagnostics_option, report_diagnostics
 from tpe_train.evaluation.ensemble import load_models
 from tpe_train.evaluation.evaluate import (
@@ -287,16 +292,17 @@ def _count_lines(path: str) -> int:
 def _check_lengths(path: str, tok: Tokenizer, limit: int) -> None:
     """Every line of a file within ``limit`` subword tokens, checked before any decoding (an
     ``InputError`` names the first longer one and how many more there are)."""
-    over: list[tuple[int, int]] = []
+    over: list[tuple[int, int, bool]] = []
     with open(path, "rb") as f:
         lines = utf8_lines(f, path)
         first = 1
         while chunk := list(itertools.islice(lines, 10_000)):
-            over += [(first + i, len(ids)) for i, ids in enumerate(encode(tok, chunk)) if len(ids) > limit]
+            ids, cut = encode_capped(tok, chunk, limit)
+            over += [(first + i, len(seq), i in cut) for i, seq in enumerate(ids) if len(seq) > limit]
             first += len(chunk)
     if over:
-        number, tokens = over[0]
-        err = too_long_error(path, number, tokens, limit)
+        number, tokens, at_least = over[0]
+        err = too_long_error(path, number, tokens, limit, at_least)
         more = f" ({len(over) - 1} more lines are longer too)" if len(over) > 1 else ""
         raise InputError(f"{err}{more}; nothing was translated")
 

@@ -37,12 +37,27 @@ class SourceTooLong(InputError):
     """A source of more tokens than ``DecodeOptions.max_source_len``, met before anything was decoded;
     ``index`` is its place among the sentences given."""
 
-    def __init__(self, index: int, tokens: int, limit: int) -> None:
-        self.index, self.tokens, self.limit = index, tokens, limit
+    def __init__(self, index: int, tokens: int, limit: int, at_least: bool = False) -> None:
+        self.index, self.tokens, self.limit, self.at_least = index, tokens, limit, at_least
         super().__init__(
-            f"sentence {index + 1} has {tokens} subword tokens, more than the limit of {limit}; raise the "
-            f"limit (decoding memory grows with it), or truncate to translate its first {limit} tokens"
+            f"sentence {index + 1} has {'at least ' if at_least else ''}{tokens} subword tokens, more than "
+            f"the limit of {limit}; raise the limit (decoding memory grows with it), or truncate to "
+            f"translate its first {limit} tokens"
         )
+
+
+def encode_capped(tok: Tokenizer, texts: list[str], cap: int) -> tuple[list[list[int]], set[int]]:
+    """Token ids of each text (no special tokens); with ``cap`` > 0, a text long enough to hold more
+    than ``cap`` tokens for certain is encoded in its head only: ``4 x cap x`` the longest token's
+    characters (a token covers at most that many; NFKC joins at most three characters into one), which
+    holds more than ``cap`` tokens, the same first ``cap`` as the whole line. A line of any length so
+    costs time and memory in proportion to the cap, not to its length. Also returned: the indices of
+    the texts cut (their token count is a lower bound)."""
+    if not cap:
+        return encode(tok, texts), set()
+    head = 4 * cap * max((len(piece) for piece in tok.get_vocab()), default=1)
+    cut = {i for i, text in enumerate(texts) if len(text) > head}
+    return encode(tok, [text[:head] if i in cut else text for i, text in enumerate(texts)]), cut
 
 
 def utf8_lines(stream: IO[bytes], name: str) -> Iterator[str]:
@@ -158,9 +173,9 @@ def decode_sentences(
     """Translations of ``sources`` in their order (see the module's docstring); ``on_batch`` is told
     how many sentences each decoded batch held. A source longer than ``options.max_source_len`` raises
     ``SourceTooLong`` before any sentence is decoded (with ``truncate``: is cut to it)."""
-    ids = encode(tok, sources)
-    limit = model.max_source_length()  # positions the encoder can represent (EOS included), or None
     cap = options.max_source_len
+    ids, cut = encode_capped(tok, sources, cap)
+    limit = model.max_source_length()  # positions the encoder can represent (EOS included), or None
     out = [Translation(None, len(seq)) for seq in ids]
     todo: list[int] = []
     seqs: dict[int, list[int]] = {}
@@ -170,7 +185,7 @@ def decode_sentences(
             continue
         if cap and len(seq) > cap:
             if not options.truncate:
-                raise SourceTooLong(i, len(seq), cap)
+                raise SourceTooLong(i, len(seq), cap, at_least=i in cut)
             seq, out[i].truncated = seq[:cap], True
         if limit is not None and len(seq) + 1 > limit:
             if not options.truncate:

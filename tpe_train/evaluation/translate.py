@@ -88,10 +88,11 @@ def format_translation(number: int, result: Translation, nbest: int) -> str:
     return "".join(f"{number}\t{score:.4f}\t{text}\n" for score, text in entries)
 
 
-def too_long_error(name: str, number: int, tokens: int, limit: int) -> InputError:
+def too_long_error(name: str, number: int, tokens: int, limit: int, at_least: bool = False) -> InputError:
     """The error of a line longer than ``--max-source-len``, naming it and both ways on."""
+    counted = f"at least {tokens:,}" if at_least else f"{tokens:,}"
     return InputError(
-        f"{name} line {number} has {tokens:,} subword tokens, more than --max-source-len {limit:,}; raise "
+        f"{name} line {number} has {counted} subword tokens, more than --max-source-len {limit:,}; raise "
         f"--max-source-len (decoding memory grows with the square of it), or pass --truncate to translate "
         f"its first {limit:,} tokens"
     )
@@ -130,7 +131,7 @@ def translate_stream(
         try:
             results = decode_sentences(model, tok, chunk, options, on_batch=done)
         except SourceTooLong as err:
-            raise too_long_error(name, first + err.index, err.tokens, err.limit) from None
+            raise too_long_error(name, first + err.index, err.tokens, err.limit, err.at_least) from None
         for number, result in enumerate(results, start=first):
             out.write(format_translation(number, result, options.nbest))
             tally.source_tokens += result.source_tokens
