@@ -23,7 +23,7 @@ from pydantic.fields import FieldInfo
 
 from tpe_train.config import Config, ConfigError, load_config, validate
 
-EXAMPLES = {"values": 200, "overrides": 400, "presets": 150}
+EXAMPLES = {"values": 200, "overrides": 400, "presets": 150, "combinations": 300}
 INT64 = (-(2**63), 2**63 - 1)
 
 
@@ -267,6 +267,56 @@ def test_any_preset_value_loads_within_range_or_is_a_config_error(key: str, text
         except ConfigError:
             return
     check(cfg, key, text, yaml_text=True)
+
+
+def _in_range(annotation: Any, metadata: list[Any]) -> st.SearchStrategy[Any]:
+    """Values a key takes on its own (small ones), to reach the checks that join keys."""
+    annotation, metadata = _meta(annotation, metadata)
+    last = list(reversed(metadata))  # the field's own bounds come after its type's
+    lows = [m.ge if isinstance(m, at.Ge) else m.gt for m in last if isinstance(m, at.Ge | at.Gt)]
+    highs = [m.le if isinstance(m, at.Le) else m.lt for m in last if isinstance(m, at.Le | at.Lt)]
+    low: Any = lows[0] if lows else 0
+    high: Any = highs[0] if highs else None
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Literal:
+        return st.sampled_from(args)
+    if origin is tuple:
+        return st.tuples(*(_in_range(a, []) for a in args))
+    if origin is list:
+        return st.lists(st.integers(1, 80), max_size=5, unique=True).map(sorted)
+    if type(None) in args:
+        return st.none() | _in_range(next(a for a in args if a is not type(None)), metadata)
+    if annotation is bool:
+        return st.booleans()
+    if annotation is int:
+        low = max(int(low), -5)
+        return st.integers(low, low + 80 if high is None else min(int(high), low + 80))
+    if annotation is float:
+        top = float(low) + 10 if high is None else float(high)
+        return st.floats(float(low), top, exclude_min=True, exclude_max=True)
+    return st.sampled_from(["none", "sinusoidal", "learned", "rope", "t5", "alibi", "shaw", "auto", "x", ""])
+
+
+combinations = st.lists(st.sampled_from(KEYS), min_size=2, max_size=6, unique=True).flatmap(
+    lambda keys: st.fixed_dictionaries({k: _in_range(FIELDS[k].annotation, FIELDS[k].metadata) for k in keys})
+)
+
+
+@settings(max_examples=EXAMPLES["combinations"], deadline=None, derandomize=True, database=None,
+          suppress_health_check=[HealthCheck.too_slow])  # fmt: skip
+@given(changes=combinations)
+def test_several_keys_at_once_load_within_range_or_are_a_config_error(changes: dict[str, Any]) -> None:
+    """Values each key takes on its own, several keys at once: the checks that join keys (heads and
+    width, averaging and saving, positions and lengths) give a ConfigError or a config in range."""
+    data = BASE
+    for key, value in changes.items():
+        data = _set(data, key, value)
+    try:
+        cfg = validate(data)
+    except ConfigError:
+        return
+    for key, value in changes.items():
+        check(cfg, key, value)
 
 
 @pytest.mark.parametrize("key", KEYS)
