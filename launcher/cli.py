@@ -28,6 +28,7 @@ from launcher.plan import (
     sweep_kind,
     sweep_overrides,
 )
+from launcher.sbatch import CONFIG_ENV, DEFAULT_CPUS_PER_GPU, load_site
 from launcher.submit import SCRIPTS, SubmitArgs, build, dry_run_text, report, submit
 from launcher.supervise import run_node, supervise_job
 
@@ -86,8 +87,55 @@ def submit_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-root", default=None, help="sweep_positions: parent of the per-kind run dirs")
     p.add_argument("--last", type=int, default=5, help="eval: average the last N checkpoints")
     p.add_argument("--out", default=None, help="eval: directory of the averaged export")
+    _site_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
     return p
+
+
+def _site_args(p: argparse.ArgumentParser) -> None:
+    """Options a cluster may ask of every job; each may also be set once in the site file."""
+    g = p.add_argument_group(
+        "site options",
+        f"each also settable in the site file (${CONFIG_ENV}, else "
+        "${XDG_CONFIG_HOME:-~/.config}/tpe-train/slurm.yaml; keys as these flags without --); a flag wins",
+    )
+    g.add_argument(
+        "--cpus-per-gpu",
+        type=int,
+        default=None,
+        help=f"GPU nodes: CPUs per GPU to ask for (default {DEFAULT_CPUS_PER_GPU}; 0: the site's default)",
+    )
+    g.add_argument("--qos", default=None, help="quality of service")
+    g.add_argument("--mem", default=None, help="memory per node, e.g. 64G (0: all of it)")
+    g.add_argument("--constraint", default=None, help="node features, e.g. a100|h100")
+    g.add_argument(
+        "--exclusive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="whole nodes, shared with no job",
+    )
+    g.add_argument("--mail-type", default=None, help="e.g. END,FAIL")
+    g.add_argument("--mail-user", default=None)
+    g.add_argument(
+        "--setup", default=None, help="file of shell lines run in the job before the launch (module load ...)"
+    )
+    g.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="OPTION=VALUE",
+        help="any other sbatch option, one each (e.g. --sbatch reservation=mine --sbatch hold)",
+    )
+
+
+def submit_args(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> SubmitArgs:
+    """``tpe-launch submit``'s options over the user's site file."""
+    args = SubmitArgs(**{k: v for k, v in vars(ns).items() if k != "dry_run"})
+    if args.cpus_per_gpu is not None and not args.gpus_per_node:
+        raise LaunchError(
+            "--cpus-per-gpu applies to GPU nodes; on CPU nodes ask for CPUs with --cpus-per-node"
+        )
+    return args.with_site(load_site(os.environ if env is None else env))
 
 
 def run_parser() -> argparse.ArgumentParser:
@@ -151,8 +199,7 @@ def cmd_run(argv: list[str]) -> int:
 
 def cmd_submit(argv: list[str]) -> int:
     ns = submit_parser().parse_intermixed_args(argv)
-    fields = {k: v for k, v in vars(ns).items() if k != "dry_run"}
-    sub = build(SubmitArgs(**fields))
+    sub = build(submit_args(ns))
     if ns.dry_run:
         print(dry_run_text(sub), end="")
         return 0

@@ -13,6 +13,9 @@ import torch
 
 # Token stores of every test (and of the processes tests start) go to a fresh temporary directory.
 os.environ["TPE_DATA_CACHE"] = tempfile.mkdtemp(prefix="tpe-data-")
+# No user's Slurm site file (~/.config/tpe-train/slurm.yaml) changes what `tpe-launch submit` renders here;
+# the tests that read one point TPE_SLURM_CONFIG at their own.
+os.environ["TPE_SLURM_CONFIG"] = ""
 
 
 @pytest.fixture(autouse=True)

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support.slurm_cluster import SlurmCluster, require_slurm, slurm_requested, start_or_fail
 
 from launcher.cli import main
 from launcher.plan import (
@@ -209,6 +210,23 @@ def test_templates_hold_no_logic() -> None:
     for path in (ROOT / "slurm").glob("*.sbatch"):
         for line in path.read_text().splitlines():
             assert not re.match(r"\s*(if|for|while|case|trap|function)\b|.*\$\(\(|.*\|\|", line), (path, line)
+
+
+def test_slurm_tests_run_only_when_asked_and_fail_when_slurm_cannot_start(tmp_path: Path) -> None:
+    """The Slurm tests change the host: without TPE_TEST_SLURM=1 they skip naming the variable; with it,
+    a cluster that cannot start is a failure with its cause."""
+    assert not slurm_requested({}) and not slurm_requested({"TPE_TEST_SLURM": "0"})
+    assert slurm_requested({"TPE_TEST_SLURM": "1"})
+    with pytest.raises(pytest.skip.Exception, match="set TPE_TEST_SLURM=1"):
+        require_slurm({})
+    require_slurm({"TPE_TEST_SLURM": "1"})  # asked for: no skip
+    base = tmp_path / "not-a-folder"
+    base.write_text("")  # the cluster's state cannot go under a file: start fails before any install
+    cluster = SlurmCluster(base)
+    with pytest.raises(pytest.fail.Exception, match=r"TPE_TEST_SLURM=1 asks for the Slurm tests.*not start"):
+        start_or_fail(cluster)
+    cluster.stop()  # nothing was started: nothing to stop, /etc/hosts untouched
+    assert not cluster.started
 
 
 def dry_run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:

@@ -166,7 +166,7 @@ def test_slurm_submission_is_one_array_per_seed_and_variant(
     assert "model.position.encoder=false" in text and "train.seed=2" in text
     # averaging: one eval job per run after its own array element
     assert text.count("tpe-ckpt average") == 6
-    assert "#SBATCH --dependency=afterok:<array job>_6" in text
+    assert '#SBATCH --dependency="afterok:<array job>_6"' in text  # quoted for sbatch: a space
     averaged = out.resolve() / "runs/s1/rope/averaged-last5"  # its figures and test hypotheses
     assert f"tpe-eval --checkpoint {averaged} --json --out {averaged}" in text
     assert not out.exists()  # a dry run writes nothing

@@ -30,10 +30,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-from tpe_train.ckpt.export import META, WEIGHTS, export_mean, load_export, save_export
+from tpe_train.ckpt.export import (
+    KINDS,
+    META,
+    WEIGHTS,
+    check_export_out,
+    export_mean,
+    load_export,
+    save_export,
+)
 from tpe_train.ckpt.rundir import CONFIG, TOKENIZER, RunDir
 from tpe_train.ckpt.store import LATEST, MANIFEST, TRAINER, CheckpointError, Entry, entries, latest_complete
 from tpe_train.config import ConfigError
+from tpe_train.run.outputs import OutputRefused, check_output, replaced_in_place
 
 
 def _complete(run_dir: Path) -> list[Entry]:
@@ -61,6 +70,12 @@ def _checkpoint(path: Path) -> Path:
     return latest.path
 
 
+def _read_from(source: Path) -> Path:
+    """What a command reads of ``source``: a checkpoint or an export itself, a run directory's
+    checkpoints (its own exports, such as ``averaged-last5``, may be written beside them)."""
+    return source if (source / MANIFEST).is_file() or _is_export(source) else RunDir(source).checkpoints
+
+
 def cmd_list(args: argparse.Namespace) -> None:
     root = RunDir(Path(args.run_dir)).checkpoints
     found = entries(root)
@@ -79,14 +94,16 @@ def cmd_list(args: argparse.Namespace) -> None:
 
 
 def cmd_average(args: argparse.Namespace) -> None:
+    check_export_out(Path(args.out), "tpe-ckpt average", [_read_from(Path(args.run_dir))])
     chosen = _complete(Path(args.run_dir))[-args.last :]
     if len(chosen) < args.last:
         print(f"tpe-ckpt: only {len(chosen)} complete checkpoints; averaging those", file=sys.stderr)
-    out = export_mean([e.path for e in chosen], Path(args.out))
+    out = export_mean([e.path for e in chosen], Path(args.out), "tpe-ckpt average")
     print(f"averaged {', '.join(e.path.name for e in chosen)} -> {out}")
 
 
 FORMATS = ("native", "hf", "ctranslate2")
+COMMAND = "tpe-ckpt export"
 QUANTIZATIONS = ("int8", "int8_float16", "float16", "float32")
 
 
@@ -104,9 +121,14 @@ def cmd_export(args: argparse.Namespace) -> None:
         )
     if not source.exists():
         raise CheckpointError(f"{source} does not exist; pass a checkpoint, a run directory or an export")
+    read = [_read_from(source)]
+    if args.format == "native":  # before any long work
+        check_export_out(out, COMMAND, read)
+    else:
+        check_output(out, COMMAND, KINDS[args.format], read, protected=RunDir.what)
     if args.format == "native" and not _is_export(source):
         path = _checkpoint(source)
-        print(f"exported {path} -> {export_mean([path], out)}")
+        print(f"exported {path} -> {export_mean([path], out, COMMAND)}")
         return
     with tempfile.TemporaryDirectory(prefix="tpe-export-") as tmp:
         if _is_export(source):
@@ -120,7 +142,7 @@ def cmd_export(args: argparse.Namespace) -> None:
         meta = native / META
         step = int(json.loads(meta.read_text()).get("step", 0)) if meta.is_file() else 0
         if args.format == "native":
-            written = save_export(out, model, cfg, tok, step)
+            written = save_export(out, model, cfg, tok, step, COMMAND, [source])
         elif args.format == "hf":
             from tpe_train.ckpt.hf import export_hf
 
@@ -136,17 +158,17 @@ def cmd_reshard(args: argparse.Namespace) -> None:
     path = _checkpoint(Path(args.checkpoint))
     step = int(json.loads((path / TRAINER).read_text())["step"])
     out = Path(args.out)
-    if RunDir(out).checkpoints.exists():
-        raise CheckpointError(f"{out} already holds checkpoints; choose a new --out run directory")
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
         "-m", "tpe_train.train", "--preset", str(path / CONFIG),
         f"train.run_dir={out}", f"train.resume={path}", f"train.max_steps={step}", "eval.at_end=false",
         "train.progress=false", f"train.deepspeed_shards={args.deepspeed_shards}",
     ]  # fmt: skip
-    result = subprocess.run(cmd, env={**os.environ})
-    if result.returncode != 0:
-        raise SystemExit(result.returncode)
+    # a new run directory, or an earlier reshard's (moved aside, removed once this one has finished)
+    with replaced_in_place(out, "tpe-ckpt reshard", "reshard", [path], RunDir.what):
+        result = subprocess.run(cmd, env={**os.environ})
+        if result.returncode != 0:
+            raise SystemExit(result.returncode)
     print(f"resharded {path} -> {RunDir(out).checkpoints} (layout of {args.config_file})")
 
 
@@ -183,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--last must be at least 1")
     try:
         args.fn(args)
-    except (CheckpointError, ConfigError, FileNotFoundError) as err:
+    except (CheckpointError, ConfigError, FileNotFoundError, OutputRefused) as err:
         print(f"tpe-ckpt: {err}", file=sys.stderr)
         return 2
     return 0

@@ -18,16 +18,33 @@ import yaml
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from tpe_train.ckpt.rundir import CONFIG, TOKENIZER, RunDir
+from tpe_train.ckpt.rundir import CONFIG, EVAL, TOKENIZER, RunDir
 from tpe_train.ckpt.shards import read_index, read_tensor, write_safetensors
-from tpe_train.ckpt.store import TRAINER, CheckpointError, entries, sha256, verify, written_directory
+from tpe_train.ckpt.store import TRAINER, CheckpointError, entries, sha256, verify
 from tpe_train.config import Config, ConfigError, validate
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.data.tokenizer import load_tokenizer, vocab_hash
 from tpe_train.model.transformer import Transformer
+from tpe_train.run.outputs import check_output, files_of, written_directory
 
 #: An export's files besides ``CONFIG`` and ``TOKENIZER``: the weights, and hashes and step.
 WEIGHTS, META = "model.safetensors", "meta.json"
+#: The kind of output (run.outputs) of each export format, whichever command writes it.
+KINDS = {"native": "export", "hf": "export-hf", "ctranslate2": "export-ctranslate2"}
+EXPORT = KINDS["native"]
+
+
+def legacy_export(path: Path) -> bool:
+    """Whether ``path`` is a native export written before output markers existed, holding nothing but
+    an export's files and what evaluation adds (``eval.json``, ``hypotheses/``)."""
+    files = files_of(path)
+    ours = {WEIGHTS, CONFIG, TOKENIZER, META, EVAL}
+    return {WEIGHTS, META} <= set(files) and all(f in ours or f.startswith("hypotheses/") for f in files)
+
+
+def check_export_out(out: Path, command: str, sources: list[Path] | tuple[Path, ...] = ()) -> None:
+    """Refuse an ``out`` that a native export may not write or replace (before any long work)."""
+    check_output(out, command, EXPORT, sources, legacy_export, RunDir.what)
 
 
 def build_model(cfg: Config, tok: Tokenizer) -> Transformer:
@@ -42,11 +59,13 @@ def write_export(
     cfg: Config,
     tok: Tokenizer,
     step: int,
+    command: str = "tpe-train",
+    sources: list[Path] | tuple[Path, ...] = (),
 ) -> Path:
     """Write weights (``tensors``, one at a time, in the order of ``shapes``), config, tokenizer and
-    metadata to ``directory`` atomically."""
+    metadata to ``directory`` atomically (``run.outputs``: ``command`` writing, ``sources`` read)."""
     directory = Path(directory)
-    with written_directory(directory) as tmp:
+    with written_directory(directory, command, EXPORT, sources, legacy_export, RunDir.what) as tmp:
         meta = {"format": "pt", "step": str(step)}
         written = write_safetensors(tmp / WEIGHTS, tensors, shapes, metadata=meta)
         (tmp / CONFIG).write_text(cfg.to_yaml())
@@ -62,11 +81,19 @@ def write_export(
     return directory
 
 
-def save_export(directory: Path, model: torch.nn.Module, cfg: Config, tok: Tokenizer, step: int) -> Path:
+def save_export(
+    directory: Path,
+    model: torch.nn.Module,
+    cfg: Config,
+    tok: Tokenizer,
+    step: int,
+    command: str = "tpe-train",
+    sources: list[Path] | tuple[Path, ...] = (),
+) -> Path:
     """Export a model held whole in this process (``write_export`` of its state dict)."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
     shapes = {k: tuple(v.shape) for k, v in state.items()}
-    return write_export(directory, iter(state.items()), shapes, cfg, tok, step)
+    return write_export(directory, iter(state.items()), shapes, cfg, tok, step, command, sources)
 
 
 def load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
@@ -110,11 +137,12 @@ def load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
     return model, cfg, tok
 
 
-def export_mean(sources: list[Path], out: Path) -> Path:
+def export_mean(sources: list[Path], out: Path, command: str = "tpe-train") -> Path:
     """The mean of training checkpoints' fp32 weights (accumulated in fp64) as an export at ``out``,
     stamped with the last source's step; one source: that checkpoint. Consolidated offline from the
     checkpoints' shards one tensor at a time (memory: a few copies of the largest parameter); every
-    file read is verified against its checkpoint's manifest first."""
+    file read is verified against its checkpoint's manifest first (after ``out`` is checked)."""
+    check_export_out(out, command, sources)
     first = sources[0]
     cfg = validate(yaml.safe_load((first / CONFIG).read_text()))
     tok = load_tokenizer(first / TOKENIZER)
@@ -144,7 +172,7 @@ def export_mean(sources: list[Path], out: Path) -> Path:
             yield name, (total / len(sources)).float()
 
     step = int(json.loads((sources[-1] / TRAINER).read_text())["step"])
-    return write_export(out, mean(), shapes, cfg, tok, step)
+    return write_export(out, mean(), shapes, cfg, tok, step, command, sources)
 
 
 def average_last(cfg: Config, run_dir: RunDir) -> tuple[Transformer, dict[str, Any]]:

@@ -21,14 +21,13 @@ manifest) are reported, skipped and removed.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -43,6 +42,7 @@ MANIFEST = "manifest.json"
 TRAINER = "trainer.json"
 FORMAT = "tpe-train-checkpoint/2"
 FORMATS = (FORMAT, "tpe-train-checkpoint/1")  # /1: every tensor whole, in model/optimizer.safetensors
+log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
 
 
@@ -91,31 +91,19 @@ def write_manifest(directory: Path, step: int, layout: dict[str, Any], known: di
     write_json(directory / MANIFEST, {"format": FORMAT, "step": step, "layout": layout, "files": files})
 
 
-@contextlib.contextmanager
-def written_directory(out: Path) -> Iterator[Path]:
-    """A directory to fill that appears at ``out`` only once complete: the caller writes into the
-    yielded temporary sibling, which then replaces ``out`` (an older ``out`` is moved aside first and
-    removed last). An exception removes the temporary directory and leaves ``out`` as it was."""
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def publish(tmp: Path, final: Path) -> None:
     """Rename a finished checkpoint into place, then move ``latest`` to it."""
-    if final.exists():  # a stale copy of the same step (an earlier attempt): replace it
-        shutil.rmtree(final)
+    if final.exists():
+        if inspect(final).complete:  # a stale copy of the same step (an earlier attempt): replace it
+            shutil.rmtree(final)
+        else:  # not the protocol's own (a copy coming in, a newer format): keep it, out of the way
+            aside = final.with_name(f"{final.name}.unreadable")
+            n = 1
+            while aside.exists():
+                n += 1
+                aside = final.with_name(f"{final.name}.unreadable{n}")
+            final.rename(aside)
+            log.warning("moved %s, which this version cannot read, aside to %s", final, aside)
     tmp.rename(final)
     fsync_dir(final.parent)
     pointer = final.parent / f".{LATEST}.tmp"
@@ -150,9 +138,13 @@ def inspect(path: Path) -> Entry:
     try:
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
-        assert manifest.get("format") in FORMATS
-    except (ValueError, KeyError, AssertionError):
+        known = manifest.get("format") in FORMATS
+    except (ValueError, KeyError, TypeError):
         return Entry(path, step, False, "unreadable manifest", size, {})
+    if not known:
+        found = manifest.get("format")
+        why = f"a manifest of format {found!r}, which this version does not know (a newer tpe-train's?)"
+        return Entry(path, step, False, why, size, {})
     for rel, info in files.items():
         p = path / rel
         if not p.is_file() or p.stat().st_size != info["size"]:
@@ -294,15 +286,28 @@ def _diff(saved: Any, ours: Any, prefix: str) -> list[str]:
 
 def prune(root: Path, keep_last: int, keep_every: int, keep_steps: tuple[int, ...] = ()) -> list[Path]:
     """Remove all but the last ``keep_last`` complete checkpoints, keeping any whose step is a
-    multiple of ``keep_every`` (> 0) or in ``keep_steps`` (the best validation's), and remove unfinished
-    leftovers. Returns what was removed."""
+    multiple of ``keep_every`` (> 0) or in ``keep_steps`` (the best validation's), and remove the save
+    protocol's own unfinished temporaries (``.tmp-*``). A ``step-*`` directory that is not complete (a
+    manifest of a format this version does not know, a copy still coming in, files missing) is never
+    the protocol's own leftover: it stays, with a warning naming it. Returns what was removed."""
     all_entries = entries(root)
     complete = [e for e in all_entries if e.complete]
     keep = {e.path for e in complete[-keep_last:]} if keep_last > 0 else set()
     keep |= {
         e.path for e in complete if (keep_every > 0 and e.step % keep_every == 0) or e.step in keep_steps
     }
-    removed = [e.path for e in all_entries if e.path not in keep]
+    removed = []
+    for e in all_entries:
+        if e.complete or e.path.name.startswith(".tmp-"):
+            if e.path not in keep:
+                removed.append(e.path)
+        else:
+            log.warning(
+                "not pruning %s: %s; it is not a checkpoint this version can read (inspect it, then move "
+                "or delete it yourself)",
+                e.path,
+                e.reason,
+            )
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -449,8 +450,11 @@ class EvalConfig(Section):
 
 
 class Config(Section):
-    preset: Text = "demo"
-    """Name of the preset this config came from (informational)."""
+    preset: Text = Field(
+        "demo", json_schema_extra={"takes": "letters, digits and ._-, starting with a letter or digit"}
+    )
+    """Name of the preset this config came from: letters, digits and ._- (it names the run directory and
+    Slurm jobs); default the preset file's name."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """Architecture."""
     data: DataConfig = Field(default_factory=DataConfig)
@@ -461,6 +465,17 @@ class Config(Section):
     """Decoding and scoring."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     """Tensor parallelism (ZeRO stage and offload come from the launch file)."""
+
+    @field_validator("preset")
+    @classmethod
+    def _preset_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", value):
+            raise ValueError(
+                f"preset name {value!r} may hold only letters, digits and '._-', starting with a letter or "
+                "digit (it names the run directory and Slurm jobs); set 'preset: NAME' in the preset file "
+                "or rename the file"
+            )
+        return value
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:

@@ -16,7 +16,10 @@ from typing import TYPE_CHECKING, Any
 from datasets import Dataset, load_from_disk
 from tokenizers import Tokenizer
 
+from tpe_train.data.sources import CorpusError
 from tpe_train.data.tokenizer import load_tokenizer, vocab_hash
+from tpe_train.run.atomic import temp_name
+from tpe_train.run.outputs import mark_output
 
 if TYPE_CHECKING:
     from tpe_train.config import DataConfig
@@ -44,6 +47,11 @@ def load_store(path: Path) -> tuple[Tokenizer, Dataset, Dataset, dict[str, Any]]
     """(tokenizer, train, valid, metadata) of a complete store, or None when there is none."""
     meta_path = path / "meta.json"
     if not meta_path.is_file():  # written last: its presence marks a complete store
+        if path.is_dir() and any(path.iterdir()):  # a store is renamed into place whole: not one
+            raise CorpusError(
+                f"{path} exists but is not a token store (no meta.json): it is not tpe-data's to replace; "
+                "move or remove it yourself, or choose another data.store_dir"
+            )
         return None
     meta = json.loads(meta_path.read_text())
     tok = load_tokenizer(path / "tokenizer.json")
@@ -59,14 +67,19 @@ def load_store(path: Path) -> tuple[Tokenizer, Dataset, Dataset, dict[str, Any]]
 
 def write_store(path: Path, tok: Tokenizer, train: Dataset, valid: Dataset, meta: dict[str, Any]) -> None:
     """Write under a temporary name, then rename: a crash never leaves a half store at ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tok.save(str(tmp / "tokenizer.json"))
-    for name, ds in (("train", train), ("valid", valid)):
-        # An empty set (a streamed corpus's train) needs one shard written, or it cannot be loaded back.
-        ds.save_to_disk(str(tmp / name), num_shards=1 if len(ds) == 0 else None)
-    (tmp / "meta.json").write_text(json.dumps({**meta, "vocab_hash": vocab_hash(tok)}, indent=2))
+    tmp = temp_name(path)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+    try:
+        tok.save(str(tmp / "tokenizer.json"))
+        for name, ds in (("train", train), ("valid", valid)):
+            # An empty set (a streamed corpus's train) needs one shard written, or it cannot be loaded back.
+            ds.save_to_disk(str(tmp / name), num_shards=1 if len(ds) == 0 else None)
+        (tmp / "meta.json").write_text(json.dumps({**meta, "vocab_hash": vocab_hash(tok)}, indent=2))
+        mark_output(tmp, "tpe-data prepare", "token-store")
+    except BaseException:  # nothing half-written stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         tmp.rename(path)
     except OSError:  # another process finished the same store first: keep theirs

@@ -122,12 +122,13 @@ def archive_parser() -> argparse.ArgumentParser:
 
 
 def cmd_archive(argv: list[str]) -> int:
-    from tpe_train.study.archive import archive
+    from tpe_train.study.archive import archive, check_dest
     from tpe_train.study.report import write_report
     from tpe_train.study.results import kept_references
 
     args = archive_parser().parse_args(argv)
     source = Study.load(Path(args.study_dir))
+    check_dest(source.root, Path(args.dest), not args.no_report)  # before the report is written
     if not args.no_report:
         if kept_references(source) or not (source.report_dir / "report.md").is_file():
             print(f"report: {write_report(source)}")  # from the study, whose runs kept the references
@@ -174,6 +175,10 @@ def cmd_run(argv: list[str]) -> int:
     if args.dry_run:
         run_local(study, dry_run=True, jobs=args.jobs)
         return 0
+    if not args.no_report:  # a report folder it may not replace: said now, not after the runs
+        from tpe_train.study.report import REPORT, check_report_dir
+
+        check_report_dir(study.report_dir, "tpe-study report", REPORT)
     with _own(out):
         study.save()
         failed = run_local(study, echo=args.verbose, jobs=args.jobs)
@@ -281,7 +286,7 @@ def cmd_extrapolate(argv: list[str]) -> int:
     from tpe_train.evaluation.decoding import device_from_arg
     from tpe_train.study import extrapolate as ex
     from tpe_train.study.position_methods import methods_of, parse_list
-    from tpe_train.study.report import write_extrapolation_report
+    from tpe_train.study.report import EXTRAPOLATION_REPORT, check_report_dir, write_extrapolation_report
     from tpe_train.study.results import config_cap
 
     args = extrapolate_parser().parse_args(argv)
@@ -318,6 +323,7 @@ def cmd_extrapolate(argv: list[str]) -> int:
     if args.dry_run:
         ex.run_plan(plan, device, dry_run=True)
         return 0
+    check_report_dir(out / "report", "tpe-study extrapolate", EXTRAPOLATION_REPORT)  # before decoding
     with RunLock(out, fix="pass another --out", prog="tpe-study extrapolate"):
         decoded, kept = ex.run_plan(plan, device)
         rows = ex.score(plan)
@@ -343,6 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"tpe-study: unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
     from tpe_train.run.exits import EXIT_PREEMPTED
+    from tpe_train.run.outputs import OutputRefused
     from tpe_train.study.runner import StudyPreempted
 
     try:
@@ -353,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"tpe-study {argv[0]}: interrupted; the same command resumes the study", file=sys.stderr)
         return 130
-    except (StudyError, ConfigError, RunDirBusy) as err:
+    except (StudyError, ConfigError, RunDirBusy, OutputRefused) as err:
         print(f"tpe-study {argv[0]}: error: {err}", file=sys.stderr)
         return 2
 
