@@ -14,6 +14,7 @@ from tokenizers import Tokenizer
 from tpe_train.data import synthetic
 from tpe_train.data.batching import EOS_ID, Batch, BatchIterator, BatchState, collate, length_arrays
 from tpe_train.data.clean import CleanSpec, clean, clean_spec, clean_stream, format_report
+from tpe_train.data.lengths import fits
 from tpe_train.data.sources import CorpusError, load_split, source_spec, stream_split
 from tpe_train.data.store import load_store, store_path, write_store
 from tpe_train.data.streaming import StreamingBatches
@@ -266,8 +267,10 @@ def _build(cfg: DataConfig, path: Path) -> Prepared:
     train = tokenized = to_dataset(splits.train, tok, num_proc, text=False)
     before = len(train)
     train = train.filter(
-        lambda s, t: s <= cfg.max_len and t <= cfg.max_len,
+        lambda s, t: fits(np.asarray(s), np.asarray(t), cfg.max_len),
         input_columns=["src_len", "tgt_len"],
+        batched=True,
+        batch_size=10_000,
     )
     if len(train) == 0:
         raise CorpusError(
