@@ -61,7 +61,7 @@ BELOW = {
     "positions": set(),
     "model": {"positions"},
     "config": {"model", "positions"},
-    "data": {"config", "model", "positions"},
+    "data": {"config", "model", "positions", "run"},
     "parallel": {"config", "data", "positions"},  # never model: it names modules by pattern
     "ckpt": {"config", "data", "model", "parallel", "positions", "run"},
     "evaluation": {"ckpt", "config", "data", "model", "parallel", "positions", "run"},

@@ -1,15 +1,20 @@
 """The binarised token store: tokenised train/valid sets and the tokenizer, memory-mapped Arrow on
 disk, keyed by a fingerprint of everything that shapes them (corpus, cleaning, tokenizer settings,
 length limit). ``tpe-data prepare`` builds it ahead of training so that the ranks of a multi-node job
-only read it; a run whose fingerprint matches reuses it.
+only read it; a run whose fingerprint matches reuses it. One process builds a store at a time
+(``store_lock``); the others wait and reuse it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -17,12 +22,14 @@ from datasets import Dataset, load_from_disk
 from tokenizers import Tokenizer
 
 from tpe_train.data.tokenizer import load_tokenizer, vocab_hash
+from tpe_train.run.atomic import fsync_dir, temp_name
 
 if TYPE_CHECKING:
     from tpe_train.config import DataConfig
 
 STORE_VERSION = 2  # bump when the stored columns change (2: uint16/int32 ids, no training text)
 DEFAULT_ROOT = "~/.cache/tpe-train/data"
+log = logging.getLogger(__name__)
 
 
 def fingerprint(cfg: DataConfig) -> str:
@@ -57,19 +64,54 @@ def load_store(path: Path) -> tuple[Tokenizer, Dataset, Dataset, dict[str, Any]]
     return tok, train, valid, meta
 
 
+@contextmanager
+def store_lock(path: Path) -> Iterator[None]:
+    """Hold the build lock of the store at ``path`` (``.<name>.lock`` beside it): of two processes
+    preparing one store (``tpe-study --jobs N``, a Slurm array), one builds while the other waits,
+    then finds the store complete and reuses it. ``flock`` also holds across the nodes of a cluster
+    file system that supports it (Lustre, GPFS, NFSv4 with locking); the lock file stays, empty."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that prepares %s", path)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _fsync_tree(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(Path(folder) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(folder))
+
+
 def write_store(path: Path, tok: Tokenizer, train: Dataset, valid: Dataset, meta: dict[str, Any]) -> None:
-    """Write under a temporary name, then rename: a crash never leaves a half store at ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tok.save(str(tmp / "tokenizer.json"))
-    for name, ds in (("train", train), ("valid", valid)):
-        # An empty set (a streamed corpus's train) needs one shard written, or it cannot be loaded back.
-        ds.save_to_disk(str(tmp / name), num_shards=1 if len(ds) == 0 else None)
-    (tmp / "meta.json").write_text(json.dumps({**meta, "vocab_hash": vocab_hash(tok)}, indent=2))
+    """Write under a temporary name unique across hosts, fsync, then rename: a crash never leaves a
+    half store at ``path``, and two nodes never touch each other's temporaries."""
+    tmp = temp_name(path, "store")
     try:
+        tmp.mkdir(parents=True)
+        tok.save(str(tmp / "tokenizer.json"))
+        for name, ds in (("train", train), ("valid", valid)):
+            # An empty set (a streamed corpus's train) needs one shard written, or it cannot be loaded back.
+            ds.save_to_disk(str(tmp / name), num_shards=1 if len(ds) == 0 else None)
+        (tmp / "meta.json").write_text(json.dumps({**meta, "vocab_hash": vocab_hash(tok)}, indent=2))
+        _fsync_tree(tmp)
         tmp.rename(path)
-    except OSError:  # another process finished the same store first: keep theirs
+    except OSError:
         shutil.rmtree(tmp, ignore_errors=True)
-        if not (path / "meta.json").is_file():
+        if not (path / "meta.json").is_file():  # a store that another writer completed is kept
             raise
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_dir(path.parent)
