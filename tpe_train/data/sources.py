@@ -111,7 +111,7 @@ def _hub(spec: SourceSpec, split: str) -> Dataset:
     return _from_translation(ds, spec, f"{spec.hub_id} ({spec.config_name}, {split})")
 
 
-def _parquet_files(spec: SourceSpec, split: str) -> list[str]:
+def parquet_files(spec: SourceSpec, split: str) -> list[str]:
     """``<path>[/<config>]/<split>-*.parquet``, as the hub lays them out."""
     root = Path(spec.path)
     folder = root / spec.config_name if (root / spec.config_name).is_dir() else root
@@ -127,7 +127,7 @@ def _parquet_files(spec: SourceSpec, split: str) -> list[str]:
 
 
 def _parquet(spec: SourceSpec, split: str) -> Dataset:
-    files = _parquet_files(spec, split)
+    files = parquet_files(spec, split)
     ds = datasets.load_dataset(
         "parquet", data_files={split: files}, split=split, cache_dir=spec.cache_dir or None
     )
@@ -196,7 +196,7 @@ def stream_split(spec: SourceSpec, split: str) -> IterableDataset:
             spec.hub_id, spec.config_name, split=split, streaming=True, cache_dir=spec.cache_dir or None
         )
     elif spec.kind == "parquet":
-        files = _parquet_files(spec, split)
+        files = parquet_files(spec, split)
         ds = datasets.load_dataset("parquet", data_files={split: files}, split=split, streaming=True)
     elif spec.kind == "disk":
         ds = _disk(spec, split).to_iterable_dataset(num_shards=8)
