@@ -11,10 +11,11 @@ whose words follow a Zipf law over 50,000 types each, sentence lengths a log-nor
 median of 22 words (capped at 150), the German side 0.85-1.25 times as long, and 5% of the training
 pairs repeated (so that de-duplication has work). Preparation: the demo preset's data section with
 ``data.corpus=text``, a joint BPE of ``--vocab`` words learned on ``data.tokenizer_sample`` pairs,
-``data.clean.dedup=true``, ``data.num_proc=1``. Figures per row: wall time, pairs/s, the peak PSS of
-the process tree and the anonymous part of it (``harness.run_sampled``, sampled every second; the rest
-is mapped file pages, which the kernel can drop), the store's size. The anonymous peak is what grows
-when a step holds the corpus in Python objects.
+``data.clean.dedup=true``, ``data.num_proc=1``. The trees take turns going first at each size (a shared
+machine's load changes). Figures per row: wall time, pairs/s, the peak PSS of the process tree and the
+anonymous part of it (``harness.run_sampled``, sampled every second; the rest is mapped file pages,
+which the kernel can drop), the store's size. The anonymous peak is what grows when a step holds the
+corpus in Python objects.
 """
 
 from __future__ import annotations
@@ -121,11 +122,12 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_with_smoke(parser, argv, {"sizes": [3000], "vocab": 300, "sample": 1000, "threads": 1})
     trees = {"this tree": ROOT} | ({"old": args.old.resolve()} if args.old else {})
     rows = []
-    for pairs in args.sizes:
+    for i, pairs in enumerate(args.sizes):
         corpus = args.out / f"corpus-{pairs}"
         if not (corpus / "test.de").is_file():
             write_corpus(corpus, pairs)
-        for name, tree in trees.items():
+        order = list(trees.items())
+        for name, tree in order[i % len(order) :] + order[: i % len(order)]:  # who goes first alternates
             print(f"preparing {pairs:,} pairs with {name} ({tree.name})", file=sys.stderr, flush=True)
             row = prepare(tree, corpus, args.out / f"work-{pairs}", args)
             rows.append({"tree": name, "pairs": pairs, "pairs_per_s": round(pairs / row["wall_s"]), **row})

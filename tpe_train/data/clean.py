@@ -12,10 +12,9 @@ import hashlib
 import unicodedata
 from collections import Counter
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
-from datasets import Dataset, Features, IterableDataset, Value
+from datasets import Dataset, IterableDataset
 
 from tpe_train.config import CleanConfig
 
@@ -79,7 +78,7 @@ def clean(ds: Dataset, spec: CleanSpec, num_proc: int | None = None) -> tuple[Da
     )
     kept = kept.remove_columns("drop")
     if spec.dedup:
-        kept, counts["duplicate"] = _first_of_each(kept, num_proc)
+        kept, counts["duplicate"] = _first_of_each(kept)
     return kept, {reason: counts.get(reason, 0) for reason in REASONS}
 
 
@@ -92,30 +91,17 @@ def pair_keys(src: list[str], tgt: list[str]) -> np.ndarray:
     return np.frombuffer(b"".join(keys), dtype=np.uint64)
 
 
-def _first_of_each(ds: Dataset, num_proc: int | None) -> tuple[Dataset, int]:
+def _first_of_each(ds: Dataset) -> tuple[Dataset, int]:
     """The first occurrence of each pair, in corpus order, and the number of later copies dropped.
     Memory: the keys, 8 bytes a pair, as one array (no Python objects per pair)."""
-    hashed = ds.map(
-        lambda batch: {"key": pair_keys(batch["src"], batch["tgt"])},
-        batched=True,
-        batch_size=10_000,
-        num_proc=num_proc,
-        features=Features({**ds.features, "key": Value("uint64")}),
+    keys = np.concatenate(
+        [pair_keys(b["src"], b["tgt"]) for b in ds.iter(batch_size=20_000)] or [np.zeros(0, np.uint64)]
     )
-    keys = hashed.with_format("arrow")["key"].to_numpy()  # one copy, 8 bytes a pair
     _, first = np.unique(keys, return_index=True)
     del keys
-    _drop_files(hashed)
     if len(first) == len(ds):
         return ds, 0
     return ds.select(np.sort(first)), len(ds) - len(first)
-
-
-def _drop_files(ds: Dataset) -> None:
-    """Delete the map's cache files once their keys are read (a copy of the corpus at WMT scale)."""
-    for f in ds.cache_files:
-        if Path(f["filename"]).name.startswith("cache-"):
-            Path(f["filename"]).unlink(missing_ok=True)
 
 
 def format_report(split: str, before: int, dropped: dict[str, int]) -> str:

@@ -9,21 +9,23 @@ with a message that names the file and the fix, before any long work starts.
 
 from __future__ import annotations
 
+import hashlib
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
-from datasets import Dataset, Features, IterableDataset, Value
-from datasets.exceptions import DatasetGenerationError
+from datasets import Dataset, IterableDataset
 
 from tpe_train.config import DataConfig
 from tpe_train.data.errors import CorpusError
-from tpe_train.data.textfiles import check_aligned, line_pairs, stamp
+from tpe_train.data.textfiles import check_aligned, line_pairs, stamp, write_arrow
+from tpe_train.run.atomic import temp_name
 
 __all__ = ["CorpusError", "SourceSpec", "load_split", "source_spec", "stream_split"]
 
-PAIR_FEATURES = Features({"src": Value("string"), "tgt": Value("string")})
+TEXT_FORMAT = 1  # bump when the Arrow file of a text split changes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -164,29 +166,23 @@ def _text_paths(spec: SourceSpec, split: str) -> tuple[Path, Path]:
 
 
 def _text(spec: SourceSpec, split: str) -> Dataset:
-    """The pairs of two text files, read in pieces into an Arrow file of the datasets cache (which a
-    change to either file invalidates): memory does not grow with the corpus."""
+    """The pairs of two text files, read in pieces into an Arrow file under the ``datasets`` cache
+    (``tpe-text/<split>-<key>.arrow``, the key following the files' contents): memory does not grow
+    with the corpus, and a changed file is read again."""
     src_path, tgt_path = _text_paths(spec, split)
     check_aligned(src_path, tgt_path)
-    kwargs = {
-        "src": str(src_path),
-        "tgt": str(tgt_path),
-        "bad_utf8": spec.bad_utf8,
-        "stamp": stamp(src_path, tgt_path),
-    }
-    try:
-        ds = Dataset.from_generator(
-            line_pairs, features=PAIR_FEATURES, gen_kwargs=kwargs, cache_dir=spec.cache_dir or None
-        )
-    except DatasetGenerationError as err:
-        cause = err.__cause__
-        while cause is not None and not isinstance(cause, CorpusError):
-            cause = cause.__cause__ or cause.__context__
-        if cause is None:
-            raise
-        raise cause from None
-    assert isinstance(ds, Dataset)
-    return ds
+    key = hashlib.sha256(f"{TEXT_FORMAT}|{spec.bad_utf8}|{stamp(src_path, tgt_path)}".encode()).hexdigest()
+    folder = Path(spec.cache_dir or datasets.config.HF_DATASETS_CACHE) / "tpe-text"
+    path = folder / f"{split}-{key[:16]}.arrow"
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = temp_name(path)
+        try:
+            write_arrow(line_pairs(str(src_path), str(tgt_path), spec.bad_utf8), tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return Dataset.from_file(str(path))
 
 
 def stream_split(spec: SourceSpec, split: str) -> IterableDataset:

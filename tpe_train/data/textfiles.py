@@ -19,6 +19,8 @@ from itertools import zip_longest
 from pathlib import Path
 from typing import BinaryIO
 
+import pyarrow as pa
+
 from tpe_train.data.errors import CorpusError
 
 BOM = b"\xef\xbb\xbf"
@@ -96,6 +98,27 @@ def line_pairs(src: str, tgt: str, bad_utf8: str = "error", stamp: str = "") -> 
                 "must be line-aligned (one segment per line on both sides)"
             )
         yield {"src": decode(s, src_path, number, bad_utf8), "tgt": decode(t, tgt_path, number, bad_utf8)}
+
+
+def write_arrow(pairs: Iterator[dict[str, str]], path: Path, rows: int = 20_000) -> None:
+    """Pairs into an Arrow stream file at ``path`` (what ``datasets.Dataset.from_file`` maps), written
+    ``rows`` at a time."""
+    schema = pa.schema([("src", pa.string()), ("tgt", pa.string())])
+
+    def batch(src: list[str], tgt: list[str]) -> pa.RecordBatch:
+        return pa.record_batch([pa.array(src, pa.string()), pa.array(tgt, pa.string())], schema=schema)
+
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+        src: list[str] = []
+        tgt: list[str] = []
+        for pair in pairs:
+            src.append(pair["src"])
+            tgt.append(pair["tgt"])
+            if len(src) == rows:
+                writer.write_batch(batch(src, tgt))
+                src, tgt = [], []
+        if src:
+            writer.write_batch(batch(src, tgt))
 
 
 def stamp(*paths: Path) -> str:
