@@ -4,6 +4,7 @@ files of N pairs, each size in a fresh process with its own store and ``datasets
 
     python benchmarks/bench_prepare.py --out /tmp/prep --sizes 1000000                # this tree
     python benchmarks/bench_prepare.py --out /tmp/prep --sizes 1000000 4000000 --old ../main
+    python benchmarks/bench_prepare.py --out /tmp/prep --sizes 1000000 --old ../main --stages  # read+clean
     python benchmarks/bench_prepare.py --smoke --json out.json                         # seconds
 
 The corpus (``OUT/corpus-N/{train,validation,test}.{en,de}``, not committed): two generated languages
@@ -108,6 +109,39 @@ def prepare(tree: Path, corpus: Path, work: Path, args: argparse.Namespace) -> d
     return row
 
 
+STAGES = """
+import resource, sys, time
+from tpe_train.data.clean import CleanSpec, clean
+from tpe_train.data.sources import SourceSpec, load_split
+spec = SourceSpec(kind="text", src_lang="en", tgt_lang="de", path=sys.argv[1])
+t0 = time.perf_counter()
+ds = load_split(spec, "train")
+t1 = time.perf_counter()
+kept, dropped = clean(ds, CleanSpec(dedup=True))
+t2 = time.perf_counter()
+peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+print(f"read {t1 - t0:.1f} s, clean + de-duplicate {t2 - t1:.1f} s, kept {len(kept)},",
+      f"duplicates {dropped['duplicate']}, peak RSS {peak:.3f} GiB")
+"""
+
+
+def stages(tree: Path, corpus: Path, work: Path) -> dict[str, object]:
+    """Reading and cleaning with de-duplication only (no tokenizer): the steps that held the corpus."""
+    shutil.rmtree(work, ignore_errors=True)
+    env = {**os.environ, "PYTHONPATH": str(tree), "HF_DATASETS_CACHE": str(work), "OMP_NUM_THREADS": "1"}
+    r = run_sampled([sys.executable, "-c", STAGES, str(corpus)], env)
+    shutil.rmtree(work, ignore_errors=True)
+    if r.returncode != 0:
+        sys.exit(f"stages failed ({r.returncode}):\n{r.out[-3000:]}")
+    line = r.out.strip().splitlines()[-1]
+    return {
+        "wall_s": round(r.wall_s, 1),
+        "peak_pss_gib": round(r.peak_pss / GIB, 3),
+        "peak_anon_gib": round(r.peak_anon / GIB, 3),
+        "result": line,
+    }
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -119,6 +153,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sample", type=int, default=100_000, help="data.tokenizer_sample")
     parser.add_argument("--threads", type=int, default=2, help="tokenizers' threads")
     parser.add_argument("--json", type=Path, help="write the figures here")
+    parser.add_argument("--stages", action="store_true", help="read + clean + de-duplicate only")
     args = parse_with_smoke(parser, argv, {"sizes": [3000], "vocab": 300, "sample": 1000, "threads": 1})
     trees = {"this tree": ROOT} | ({"old": args.old.resolve()} if args.old else {})
     rows = []
@@ -129,8 +164,19 @@ def main(argv: list[str] | None = None) -> None:
         order = list(trees.items())
         for name, tree in order[i % len(order) :] + order[: i % len(order)]:  # who goes first alternates
             print(f"preparing {pairs:,} pairs with {name} ({tree.name})", file=sys.stderr, flush=True)
+            if args.stages:
+                row = stages(tree, corpus, args.out / f"work-{pairs}")
+                rows.append({"tree": name, "pairs": pairs, **row})
+                print(
+                    f"{name:<10} {pairs:>10,} wall {row['wall_s']} s, peak PSS {row['peak_pss_gib']} GiB, "
+                    f"anon {row['peak_anon_gib']} GiB: {row['result']}"
+                )
+                continue
             row = prepare(tree, corpus, args.out / f"work-{pairs}", args)
             rows.append({"tree": name, "pairs": pairs, "pairs_per_s": round(pairs / row["wall_s"]), **row})
+    if args.stages:
+        write_json(args.json, {"environment": environment(__import__("torch").device("cpu")), "rows": rows})
+        return
     print(f"tpe-data prepare, text corpus, vocab {args.vocab}, tokenizer sample {args.sample}, dedup on")
     head = ("pairs", "wall s", "pairs/s", "PSS GiB", "anon GiB", "store GiB")
     print(f"{'tree':<10} " + " ".join(f"{h:>10}" for h in head))
