@@ -11,6 +11,7 @@ paragraph on stderr and exit code 2, before anything is submitted or started.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import sys
@@ -20,16 +21,20 @@ from typing import NoReturn
 
 from launcher.plan import (
     LaunchError,
+    LaunchFile,
     LaunchPlan,
-    Layout,
     NodeEnv,
     Resources,
     batch_line,
     sweep_kind,
     sweep_overrides,
 )
+from launcher.sbatch import CONFIG_ENV, DEFAULT_CPUS_PER_GPU, load_site
 from launcher.submit import SCRIPTS, SubmitArgs, build, dry_run_text, report, submit
 from launcher.supervise import run_node, supervise_job
+from tpe_train.run import logs
+
+log = logging.getLogger(__name__)
 
 USAGE = __doc__.split("\n\n")[1]
 
@@ -86,8 +91,55 @@ def submit_parser() -> argparse.ArgumentParser:
     p.add_argument("--sweep-root", default=None, help="sweep_positions: parent of the per-kind run dirs")
     p.add_argument("--last", type=int, default=5, help="eval: average the last N checkpoints")
     p.add_argument("--out", default=None, help="eval: directory of the averaged export")
+    _site_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the script instead of submitting it")
     return p
+
+
+def _site_args(p: argparse.ArgumentParser) -> None:
+    """Options a cluster may ask of every job; each may also be set once in the site file."""
+    g = p.add_argument_group(
+        "site options",
+        f"each also settable in the site file (${CONFIG_ENV}, else "
+        "${XDG_CONFIG_HOME:-~/.config}/tpe-train/slurm.yaml; keys as these flags without --); a flag wins",
+    )
+    g.add_argument(
+        "--cpus-per-gpu",
+        type=int,
+        default=None,
+        help=f"GPU nodes: CPUs per GPU to ask for (default {DEFAULT_CPUS_PER_GPU}; 0: the site's default)",
+    )
+    g.add_argument("--qos", default=None, help="quality of service")
+    g.add_argument("--mem", default=None, help="memory per node, e.g. 64G (0: all of it)")
+    g.add_argument("--constraint", default=None, help="node features, e.g. a100|h100")
+    g.add_argument(
+        "--exclusive",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="whole nodes, shared with no job",
+    )
+    g.add_argument("--mail-type", default=None, help="e.g. END,FAIL")
+    g.add_argument("--mail-user", default=None)
+    g.add_argument(
+        "--setup", default=None, help="file of shell lines run in the job before the launch (module load ...)"
+    )
+    g.add_argument(
+        "--sbatch",
+        action="append",
+        default=[],
+        metavar="OPTION=VALUE",
+        help="any other sbatch option, one each (e.g. --sbatch reservation=mine --sbatch hold)",
+    )
+
+
+def submit_args(ns: argparse.Namespace, env: Mapping[str, str] | None = None) -> SubmitArgs:
+    """``tpe-launch submit``'s options over the user's site file."""
+    args = SubmitArgs(**{k: v for k, v in vars(ns).items() if k != "dry_run"})
+    if args.cpus_per_gpu is not None and not args.gpus_per_node:
+        raise LaunchError(
+            "--cpus-per-gpu applies to GPU nodes; on CPU nodes ask for CPUs with --cpus-per-node"
+        )
+    return args.with_site(load_site(os.environ if env is None else env))
 
 
 def run_parser() -> argparse.ArgumentParser:
@@ -125,7 +177,7 @@ def plan_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchPl
     if cpus is None and not gpus and env.get("SLURM_CPUS_ON_NODE", "").isdigit():
         cpus = int(env["SLURM_CPUS_ON_NODE"])
     res = Resources.build(nodes, gpus, args.procs_per_node, cpus)
-    layout = Layout.load(args.layout) if args.layout else Layout.default(res)
+    layout = LaunchFile.load(args.layout) if args.layout else LaunchFile.default(res)
     overrides = list(args.overrides)
     if args.sweep == "positions":
         if not args.sweep_root:
@@ -144,15 +196,14 @@ def cmd_run(argv: list[str]) -> int:
         extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
         print(shlex.join([f"{k}={v}" for k, v in sorted(extra.items())] + plan.command()))
         return 0
-    print(f"tpe-launch: {plan.describe()}", file=sys.stderr, flush=True)
-    print(f"tpe-launch: {shlex.join(plan.command())}", file=sys.stderr, flush=True)
+    log.info("%s", plan.describe())
+    log.info("%s", shlex.join(plan.command()))
     return run_node(plan.command(), env, ranks=plan.resources.procs_per_node)
 
 
 def cmd_submit(argv: list[str]) -> int:
     ns = submit_parser().parse_intermixed_args(argv)
-    fields = {k: v for k, v in vars(ns).items() if k != "dry_run"}
-    sub = build(SubmitArgs(**fields))
+    sub = build(submit_args(ns))
     if ns.dry_run:
         print(dry_run_text(sub), end="")
         return 0
@@ -176,24 +227,28 @@ def cmd_supervise(argv: list[str]) -> int:
 COMMANDS = {"submit": cmd_submit, "run": cmd_run, "supervise": cmd_supervise}
 
 
+def configure_logging(command: str = "") -> None:
+    """``tpe-launch``'s console: its messages on stderr (stdout carries the dry run's command), as one
+    launcher per node, not a rank (``SLURM_PROCID`` is the node's)."""
+    logs.configure(f"tpe-launch {command}".strip(), rank=0, info_stream="stderr")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``tpe-launch``."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    configure_logging()
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage:\n{USAGE}\n\nEach command takes --help.")
         return 0 if argv else 2
     command = COMMANDS.get(argv[0])
     if command is None:
-        print(
-            f"tpe-launch: error: unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)} "
-            "(tpe-launch --help)",
-            file=sys.stderr,
-        )
+        log.error("unknown command %r; use one of %s (tpe-launch --help)", argv[0], ", ".join(COMMANDS))
         return 2
     try:
         return command(argv[1:])
     except LaunchError as err:
-        print(f"tpe-launch {argv[0]}: error: {err}", file=sys.stderr)
+        configure_logging(argv[0])  # the error names the command
+        log.error("%s", err)
         return 2
 
 

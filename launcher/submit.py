@@ -9,6 +9,7 @@ node, instead of submitting.
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import shlex
 import shutil
@@ -21,25 +22,26 @@ from launcher.plan import (
     POSITION_SWEEP,
     ROOT,
     LaunchError,
+    LaunchFile,
     LaunchPlan,
-    Layout,
     NodeEnv,
     Resources,
     batch_line,
     override_keys,
     sweep_overrides,
 )
+from launcher.sbatch import SiteOptions, check_name, option_line, sbatch_value
 from tpe_train.ckpt.rundir import RunDir
 
 TEMPLATE_DIR = ROOT / "slurm"
 SCRIPTS = ("train", "sweep_positions", "eval")
 PLACEHOLDER = re.compile(r"\{\{(\w+)\}\}")
-TIME = re.compile(r"^(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?$")
+TIME = re.compile(r"(?:(\d+)-)?(\d+)(?::(\d+))?(?::(\d+))?")
 
 
 def time_seconds(value: str) -> int:
     """Seconds of a Slurm time limit: M, M:S, H:M:S, D-H, D-H:M, D-H:M:S."""
-    m = TIME.match(value.strip())
+    m = TIME.fullmatch(value.strip())
     if not m:
         raise LaunchError(
             f"--time {value!r} is not a Slurm time limit; use minutes, MM:SS, HH:MM:SS or D-HH:MM:SS"
@@ -57,10 +59,12 @@ def time_seconds(value: str) -> int:
 
 def array_indices(spec: str) -> list[int]:
     """The indices of a Slurm ``--array`` spec (``0-6``, ``1,4-6``, ``0-6:2``, ``0-6%2``)."""
-    body = spec.split("%", 1)[0]
+    body, throttle, limit = spec.partition("%")
+    if throttle and not limit.isdigit():
+        raise LaunchError(f"--array {spec!r}: the limit after % must be a number, as in 0-6%2")
     out: list[int] = []
     for part in body.split(","):
-        m = re.fullmatch(r"(\d+)(?:-(\d+)(?::(\d+))?)?", part.strip())
+        m = re.fullmatch(r"(\d+)(?:-(\d+)(?::(\d+))?)?", part)
         if not m:
             raise LaunchError(f"--array {spec!r} is not an array spec such as 0-6, 1,4-6 or 0-6%2")
         lo = int(m.group(1))
@@ -70,12 +74,17 @@ def array_indices(spec: str) -> list[int]:
 
 
 def render(template: str, values: dict[str, str]) -> str:
-    """Fill ``{{name}}`` placeholders; a line whose placeholders all render empty is dropped."""
+    """Fill ``{{name}}`` placeholders; a line whose placeholders all render empty is dropped. Values are
+    quoted by the caller (``sbatch.sbatch_value`` in ``#SBATCH`` lines, ``shlex.quote`` in the shell's);
+    a value with a control character in a comment or ``#SBATCH`` line is refused."""
     missing = set(PLACEHOLDER.findall(template)) - set(values)
     if missing:
         raise LaunchError(f"template placeholders without a value: {', '.join(sorted(missing))}")
     lines = []
     for line in template.splitlines():
+        if line.startswith("#"):  # a comment or #SBATCH line: no value may end it
+            for name in PLACEHOLDER.findall(line):
+                sbatch_value(f"the value of {{{{{name}}}}}", values[name])
         out = PLACEHOLDER.sub(lambda m: values[m.group(1)], line)
         if PLACEHOLDER.search(line) and not out.strip():
             continue
@@ -118,7 +127,26 @@ class SubmitArgs:
     last: int = 5
     out: str | None = None
     sweep_root: str | None = None
+    qos: str | None = None
+    mem: str | None = None
+    constraint: str | None = None
+    exclusive: bool | None = None
+    mail_type: str | None = None
+    mail_user: str | None = None
+    cpus_per_gpu: int | None = None
+    setup: str | None = None
+    sbatch: list[str] = field(default_factory=list)
     workdir: Path = field(default_factory=Path.cwd)
+
+    def site(self) -> SiteOptions:
+        """The options of these arguments that a site file may also set."""
+        names = [f.name for f in dataclasses.fields(SiteOptions)]
+        return SiteOptions(**{n: getattr(self, n) for n in names})
+
+    def with_site(self, site: SiteOptions) -> SubmitArgs:
+        """These arguments over the site file's: each option given here wins."""
+        merged = self.site().merged_over(site)
+        return dataclasses.replace(self, **dataclasses.asdict(merged))
 
 
 def _config_run_dir(preset: str, overrides: list[str]) -> tuple[Path, str, int]:
@@ -129,7 +157,7 @@ def _config_run_dir(preset: str, overrides: list[str]) -> tuple[Path, str, int]:
         cfg = load_config(preset, overrides)
     except ConfigError as err:
         raise LaunchError(str(err)) from None
-    return cfg.run_dir(), cfg.preset, cfg.train.seed
+    return cfg.run_dir(), check_name("preset name", cfg.preset), cfg.train.seed
 
 
 def _validate_sweep_kinds(preset: str, overrides: list[str], kinds: list[str]) -> None:
@@ -140,6 +168,33 @@ def _validate_sweep_kinds(preset: str, overrides: list[str], kinds: list[str]) -
             load_config(preset, [*overrides, f"model.position.kind={kind}"])
         except ConfigError as err:
             raise LaunchError(f"sweep element {kind}: {err}") from None
+
+
+def _cpus_per_task(args: SubmitArgs, res: Resources) -> int | None:
+    """CPUs of the one task per node when asked for by number: --cpus-per-node, or on CPU nodes one per
+    process; None on GPU nodes otherwise (they ask for --cpus-per-gpu)."""
+    if res.cpus_per_node is not None:
+        if not res.on_cpu and args.cpus_per_gpu is not None:
+            raise LaunchError(
+                "--cpus-per-node and --cpus-per-gpu both ask for the CPUs of a GPU node; give one of them"
+            )
+        return res.cpus_per_node
+    return res.procs_per_node if res.on_cpu and res.procs_per_node > 1 else None
+
+
+def _resource_lines(args: SubmitArgs, res: Resources) -> list[str]:
+    lines = [] if res.on_cpu else [option_line("gpus-per-node", str(res.gpus_per_node))]
+    if args.cpus_per_gpu is not None and args.cpus_per_gpu < 0:
+        raise LaunchError(f"--cpus-per-gpu must be 0 (ask for none) or more (got {args.cpus_per_gpu})")
+    return lines + args.site().cpu_lines(res.gpus_per_node, _cpus_per_task(args, res))
+
+
+def _environment(args: SubmitArgs, res: Resources) -> list[str]:
+    lines = ["export DS_ACCELERATOR=cpu  # DeepSpeed on CPU nodes (gloo)"] if res.on_cpu else []
+    cpus = _cpus_per_task(args, res)
+    if cpus is not None:  # srun does not pass sbatch's --cpus-per-task on to the step (Slurm 22.05+)
+        lines.append(f"export SRUN_CPUS_PER_TASK={cpus}")
+    return lines
 
 
 def build(args: SubmitArgs) -> Submission:
@@ -164,34 +219,23 @@ def build(args: SubmitArgs) -> Submission:
         )
     workdir = args.workdir.resolve()
     bin_dir = Path(sys.executable).parent
-    options = [
-        f"#SBATCH --{name}={value}"
-        for name, value in (
-            ("time", args.time),
-            ("partition", args.partition),
-            ("account", args.account),
-            ("dependency", args.dependency),
-        )
-        if value
-    ]
-    resources = []
-    if res.cpus_per_node is not None or (res.on_cpu and res.procs_per_node > 1):
-        resources.append(f"#SBATCH --cpus-per-task={res.cpus_per_node or res.procs_per_node}")
-    if not res.on_cpu:
-        resources.append(f"#SBATCH --gpus-per-node={res.gpus_per_node}")
     values = {
         "nodes": str(res.nodes),
-        "resources": "\n".join(resources),
-        "options": "\n".join(options),
-        "workdir": shlex.quote(str(workdir)),
+        "resources": "\n".join(_resource_lines(args, res)),
+        "workdir": sbatch_value("the working directory", str(workdir)),
         "bin": shlex.quote(str(bin_dir)),
         "signal_before": str(args.signal_before),
-        "environment": "export DS_ACCELERATOR=cpu  # DeepSpeed on CPU nodes (gloo)" if res.on_cpu else "",
+        "setup": args.site().setup_text(workdir),
+        "environment": "\n".join(_environment(args, res)),
     }
+    options = [option_line("time", args.time.strip())] if args.time else []
+    if args.dependency:
+        options.append(option_line("dependency", args.dependency))
+    values["options"] = "\n".join(options + args.site().lines())
     if args.script == "eval":
         return _build_eval(args, res, values, workdir)
 
-    layout = Layout.load(args.layout) if args.layout else Layout.default(res)
+    layout = LaunchFile.load(args.layout) if args.layout else LaunchFile.default(res)
     layout.check(res)
     run_flags = ["--preset", args.preset, "--nodes", str(res.nodes), "--layout", str(layout.path)]
     run_flags += ["--gpus-per-node", str(res.gpus_per_node), "--procs-per-node", str(res.procs_per_node)]
@@ -230,12 +274,13 @@ def build(args: SubmitArgs) -> Submission:
             sub.run_dirs[f"run dir [{i}] {kind}"] = root / kind
         sub.log = str(root / "slurm-%A_%a.out")
         sub.tensorboard = root
-        values["array"] = args.array or f"0-{len(POSITION_SWEEP) - 1}"
+        values["array"] = sbatch_value("--array", args.array or f"0-{len(POSITION_SWEEP) - 1}")
         values["sweep_root"] = values["status_dir"] = shlex.quote(str(root))
         name = args.job_name or f"tpe-sweep-{preset_name}"
         node_overrides = sweep_overrides(overrides, "<kind>", root)
     run_flags += ["--", *overrides]
-    values.update(job_name=name, log=shlex.quote(sub.log), run_args=shlex.join(run_flags))
+    values.update(job_name=check_name("job name", name), log=sbatch_value("the log", sub.log))
+    values["run_args"] = shlex.join(run_flags)
     sub.text = render((TEMPLATE_DIR / f"{args.script}.sbatch").read_text(), values)
     for rank in range(res.nodes):
         node = NodeEnv(
@@ -259,8 +304,8 @@ def _build_eval(args: SubmitArgs, res: Resources, values: dict[str, str], workdi
         "eval", "", str(RunDir(run_dir).slurm_log("eval-%j")), {"run dir": run_dir, "averaged": out}
     )
     values.update(
-        job_name=args.job_name or f"tpe-eval-{preset_name}",
-        log=shlex.quote(sub.log),
+        job_name=check_name("job name", args.job_name or f"tpe-eval-{preset_name}"),
+        log=sbatch_value("the log", sub.log),
         run_dir=shlex.quote(str(run_dir)),
         out=shlex.quote(str(out)),
         last=str(args.last),
@@ -284,7 +329,10 @@ def dry_run_text(sub: Submission) -> str:
             lines.append(f"#   node {rank}: {cmd}")
         if len(shown) < len(sub.node_commands):
             lines.append(f"#   ... nodes 4-{len(sub.node_commands) - 1} alike, with their own --machine_rank")
-    return "\n".join(lines) + "\n"
+    # a value with a newline (an override) stays inside the comment: nothing after the script can run
+    notes = "\n".join(lines[1:]).replace("\r", "\n").splitlines()
+    notes = [line if not line or line.startswith("#") else f"#   {line}" for line in notes]
+    return "\n".join([lines[0], *notes]) + "\n"
 
 
 def submit(sub: Submission, env: dict[str, str] | None = None) -> str:

@@ -238,3 +238,39 @@ def test_bad_resources_are_refused_before_sbatch(slurm: SlurmCluster, tmp_path: 
     assert proc.returncode == 2 and "--nodes must be at least 1" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not slurm.run("squeue", "-h").strip()  # nothing was submitted
+
+
+def test_site_options_and_setup_reach_the_job(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """A site file (set-up, mail, QOS) under flags (memory, node feature, whole node, any other option):
+    each shows in `scontrol show job`, the set-up runs in the job before the launch, and the run trains."""
+    marker = tmp_path / "setup-ran"
+    setup = tmp_path / "site setup.sh"
+    setup.write_text(f'echo "$SLURM_JOB_ID" > {shlex.quote(str(marker))}\nexport TPE_SITE_SETUP=1\n')
+    site = tmp_path / "slurm.yaml"
+    site.write_text(f"mail-type: END,FAIL\nmail-user: me@lab.org\nsetup: {setup.name!r}\nqos: normal\n")
+    run = tmp_path / "run"
+    report = submit(slurm, tmp_path, "--mem", "500M", "--constraint", "tpe", "--exclusive", "--sbatch",
+                    "comment=site test", *TINY, "train.max_steps=2", f"train.run_dir={run}",
+                    env={"TPE_SLURM_CONFIG": str(site)})  # fmt: skip
+    job = slurm.run("scontrol", "show", "job", report["job"])
+    assert "MailUser=me@lab.org MailType=END,FAIL" in job, job
+    assert "MinMemoryNode=500M" in job and "Features=tpe" in job and "OverSubscribe=NO" in job, job
+    assert "Comment=site test" in job, job
+    (record,) = slurm.wait(report["job"], JOB_TIMEOUT)
+    assert_completed(record, log_of(report))
+    assert marker.read_text().strip() == report["job"]  # the set-up ran inside this job
+    assert (run / "checkpoint" / "model.safetensors").is_file()  # and the launch after it
+
+
+def test_a_gpu_job_asks_for_cpus_per_gpu_and_is_accepted(slurm: SlurmCluster, tmp_path: Path) -> None:
+    """2 (fake) GPUs per node with 1 CPU each, held so that nothing runs on the fake devices: sbatch
+    accepts the rendered script and the job carries the GPUs and the CPUs per GPU."""
+    report = submit(slurm, tmp_path, "--gpus-per-node", "2", "--cpus-per-gpu", "1", "--sbatch", "hold",
+                    f"train.run_dir={tmp_path / 'run'}")  # fmt: skip
+    record = slurm.job(report["job"])
+    try:
+        assert record["JobState"] == "PENDING" and record["Reason"] == "JobHeldUser", record
+        assert record["TresPerNode"] in ("gres:gpu:2", "gres/gpu:2"), record
+        assert record["CpusPerTres"] in ("gres:gpu:1", "gres/gpu:1"), record
+    finally:
+        slurm.run("scancel", report["job"])

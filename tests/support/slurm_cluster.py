@@ -6,7 +6,8 @@ under one directory, ``SLURM_CONF`` pointing at our own ``slurm.conf`` (nothing 
 touched; only a marked line in /etc/hosts so that the node names resolve, removed again on stop).
 The daemons are stopped by the pids they wrote, never by name.
 
-Run as root. Used by ``tests/test_slurm.py`` through a session fixture; also usable by hand:
+Run as root. Used by ``tests/test_slurm.py`` through a session fixture, only when ``TPE_TEST_SLURM=1``
+(it changes the host: packages, /etc/hosts, daemons); also usable by hand:
 
     python tests/support/slurm_cluster.py up /tmp/slurmlocal      # prints the SLURM_CONF to export
     python tests/support/slurm_cluster.py down /tmp/slurmlocal
@@ -20,16 +21,18 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
 
 PACKAGES = ("slurmctld", "slurmd", "slurm-client", "munge")
+ENABLE = "TPE_TEST_SLURM"  # the tests that start the cluster run only when this is 1
 HOSTS_MARK = "# tpe-train slurm test cluster"
 MUNGE_PID = Path("/run/munge/munged.pid")
 
@@ -90,6 +93,7 @@ class SlurmCluster:
     base: Path
     nodes: int = 2
     cpus: int = 2
+    gpus: int = 2  # fake GPUs per node (GRES on /dev/null devices): GPU jobs schedule, nothing runs on them
     started: list[int] = field(default_factory=list)  # pids of the daemons we started
 
     @property
@@ -109,6 +113,18 @@ class SlurmCluster:
         b = self.base
         for sub in ("state", "log", "run", *(f"spool/{n}" for n in self.node_names)):
             (b / sub).mkdir(parents=True, exist_ok=True)  # slurmd does not create its spool dir
+        gres = ""
+        if self.gpus:
+            (b / "dev").mkdir(exist_ok=True)
+            for i in range(self.gpus):
+                dev = b / "dev" / f"fakegpu{i}"
+                if not dev.exists():
+                    os.mknod(dev, 0o666 | stat.S_IFCHR, os.makedev(1, 3))  # the device of /dev/null
+            last = self.gpus - 1
+            (b / "gres.conf").write_text(
+                f"NodeName=n[1-{self.nodes}] Name=gpu File={b}/dev/fakegpu[0-{last}]\n"
+            )
+            gres = f" Gres=gpu:{self.gpus}"
         ctld_port = free_port_run(1 + self.nodes)
         first = ctld_port + 1  # Port=[a-b]: one slurmd port per node, consecutive
         host = socket.gethostname().split(".")[0]
@@ -143,8 +159,9 @@ ReturnToService=2
 KillWait=5
 MinJobAge=600
 NodeName=n[1-{self.nodes}] NodeHostname={host} NodeAddr=127.0.0.1 Port=[{first}-{first + self.nodes - 1}] \
-CPUs={self.cpus} RealMemory=1000 State=UNKNOWN
+CPUs={self.cpus} RealMemory=1000 Feature=tpe,cpu{gres} State=UNKNOWN
 PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
+{"GresTypes=gpu" if self.gpus else ""}
 """
         )
 
@@ -164,8 +181,8 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
     def start(self, timeout: float = 60.0) -> None:
         """Write the config, start munged (unless one runs), slurmctld and the slurmd; wait until idle."""
+        self.write_conf()  # first: a bad base directory fails before anything is installed
         ensure_installed()
-        self.write_conf()
         self._add_hosts()
         env = self.env
         munge = _read_pid(MUNGE_PID)
@@ -204,10 +221,12 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
     def stop(self) -> None:
         """Cancel leftover jobs, stop exactly the daemons we started (by pid), undo /etc/hosts."""
         env = self.env
-        jobs = subprocess.run(["squeue", "-h", "-o", "%A"], env=env, capture_output=True, text=True).stdout
-        if jobs.split():
-            subprocess.run(["scancel", *jobs.split()], env=env, capture_output=True)
-            time.sleep(1)
+        if self.started:  # a cluster that never started has no jobs (and maybe no squeue)
+            squeue = ["squeue", "-h", "-o", "%A"]
+            jobs = subprocess.run(squeue, env=env, capture_output=True, text=True).stdout.split()
+            if jobs:
+                subprocess.run(["scancel", *jobs], env=env, capture_output=True)
+                time.sleep(1)
         for pid in self.started:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGTERM)
@@ -257,12 +276,46 @@ PartitionName=debug Nodes=ALL Default=YES MaxTime=INFINITE State=UP
         raise TimeoutError(f"job {job_id} still queued or running after {timeout:.0f} s: {self.jobs(job_id)}")
 
 
-@pytest.fixture(scope="session", name="slurm")
-def slurm_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
-    """A running two-node cluster for the whole session; its daemons stopped (by pid) afterwards."""
-    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+def slurm_requested(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether the environment asks for the Slurm tests (``TPE_TEST_SLURM=1``)."""
+    return env.get(ENABLE, "").strip() == "1"
+
+
+def require_slurm(env: Mapping[str, str] = os.environ) -> None:
+    """Skip the calling test, naming ``TPE_TEST_SLURM``, unless the environment asks for Slurm."""
+    if not slurm_requested(env):
+        pytest.skip(
+            f"the Slurm tests change the host (packages, /etc/hosts, root daemons); set {ENABLE}=1 to run "
+            "them (CI's .ci/run does)"
+        )
+
+
+def start_or_fail(cluster: SlurmCluster) -> None:
+    """Start the cluster; when it cannot start, fail the test (asked for, so not a skip) with the cause."""
     try:
         cluster.start()
+    except (OSError, RuntimeError, subprocess.SubprocessError) as err:
+        detail = getattr(err, "stderr", None) or ""
+        if isinstance(detail, bytes):
+            detail = detail.decode(errors="replace")
+        pytest.fail(
+            f"{ENABLE}=1 asks for the Slurm tests, but the local Slurm cluster did not start: {err} {detail}"
+            f"\nThey need root and Debian's {' '.join(PACKAGES)}; unset {ENABLE} to skip them.",
+            pytrace=False,
+        )
+
+
+@pytest.fixture(scope="session", name="slurm")
+def slurm_fixture(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SlurmCluster]:
+    """A running two-node cluster for the whole session; its daemons stopped (by pid) afterwards.
+
+    Starting it changes the host (apt-get install when Slurm is missing, a line in /etc/hosts, daemons
+    as root), so it runs only when ``TPE_TEST_SLURM=1`` asks for it; otherwise every test that needs
+    it skips, naming the variable. Once asked for, a cluster that cannot start fails those tests."""
+    require_slurm()
+    cluster = SlurmCluster(tmp_path_factory.mktemp("slurm"))
+    try:
+        start_or_fail(cluster)
         yield cluster
     finally:
         cluster.stop()

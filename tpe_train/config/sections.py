@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -9,7 +10,9 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
 from tpe_train.model.args import ModelArgs
+from tpe_train.model.attention import check_flex_dropout
 from tpe_train.positions import POSITIONS, PositionArgs
+from tpe_train.positions.rotary import check_head_dim
 
 
 class ConfigError(ValueError):
@@ -96,18 +99,9 @@ class ModelConfig(Section):
                 f"model.d_model ({self.d_model}) is not divisible by model.n_heads ({self.n_heads}); "
                 "choose n_heads that divides d_model"
             )
-        if self.attention == "flex" and self.attention_dropout > 0:
-            raise ValueError(
-                f"model.attention=flex has no dropout on the attention weights, but "
-                f"model.attention_dropout={self.attention_dropout}; set model.attention_dropout=0 or "
-                "choose model.attention=sdpa"
-            )
-        uses_rope = "rope" in (self.position.kind, self.position.cross)
-        if uses_rope and (self.d_model // self.n_heads) % 2:
-            raise ValueError(
-                f"rope needs an even head dimension, but d_model/n_heads = "
-                f"{self.d_model // self.n_heads}; change model.d_model or model.n_heads"
-            )
+        check_flex_dropout(self.attention, self.attention_dropout)
+        if "rope" in (self.position.kind, self.position.cross):
+            check_head_dim(self.d_model // self.n_heads)
         return self
 
     def args(self, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> ModelArgs:
@@ -449,7 +443,8 @@ class EvalConfig(Section):
 
 class Config(Section):
     preset: str = "demo"
-    """Name of the preset this config came from (informational)."""
+    """Name of the preset this config came from: letters, digits and ._- (it names the run directory and
+    Slurm jobs); default the preset file's name."""
     model: ModelConfig = Field(default_factory=ModelConfig)
     """Architecture."""
     data: DataConfig = Field(default_factory=DataConfig)
@@ -460,6 +455,17 @@ class Config(Section):
     """Decoding and scoring."""
     parallel: ParallelConfig = Field(default_factory=ParallelConfig)
     """Tensor parallelism (ZeRO stage and offload come from the launch file)."""
+
+    @field_validator("preset")
+    @classmethod
+    def _preset_name(cls, value: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]*", value):
+            raise ValueError(
+                f"preset name {value!r} may hold only letters, digits and '._-', starting with a letter or "
+                "digit (it names the run directory and Slurm jobs); set 'preset: NAME' in the preset file "
+                "or rename the file"
+            )
+        return value
 
     @model_validator(mode="after")
     def _combinations(self) -> Config:

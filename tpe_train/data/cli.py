@@ -13,9 +13,10 @@ from tpe_train.config import ConfigError, DataConfig, load_config
 from tpe_train.data.check import check_corpus, suggested_vocab
 from tpe_train.data.corpus import prepare
 from tpe_train.data.sources import CorpusError
-from tpe_train.run.logs import configure
+from tpe_train.run import logs
+from tpe_train.run.members import MemberError
 
-log = logging.getLogger("tpe_train.data.cli")  # also when run as __main__
+log = logging.getLogger(__name__)
 
 
 def _check(cfg_data: DataConfig) -> int:
@@ -51,17 +52,17 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--preset", default="demo", help="preset name in configs/presets or a YAML path")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.corpus=text data.path=DIR")
     args = parser.parse_args(argv)
-    configure("tpe-data")
+    logs.configure("tpe-data")
     try:
         cfg = load_config(args.preset, args.overrides)
         if args.command == "check":
             return _check(cfg.data)
         data = prepare(cfg.data)
-    except (ConfigError, CorpusError) as err:
-        print(f"tpe-data: {err}", file=sys.stderr)
+    except (ConfigError, CorpusError, MemberError) as err:  # MemberError: a damaged token store
+        log.error("%s", err)
         return 2
     for line in data.splits.report:
-        print(f"cleaning {line}")
+        log.info("cleaning %s", line)
     print(
         f"{'built' if data.built else 'reused'} {data.store}: {len(data.train)} training pairs "
         f"({data.dropped_too_long} longer than data.max_len={cfg.data.max_len} dropped), "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -22,7 +23,6 @@ from tpe_train.config import ConfigError, DataConfig
 from tpe_train.evaluation import evaluate as evaluate_module
 from tpe_train.evaluation import translate as translate_module
 from tpe_train.evaluation.decoding import DecodeOptions, InputError, device_from_arg, utf8_lines
-from tpe_train.evaluation.diagnostics import add_diagnostics_option, report_diagnostics
 from tpe_train.evaluation.ensemble import load_models
 from tpe_train.evaluation.evaluate import (
     EvalFiles,
@@ -36,8 +36,12 @@ from tpe_train.evaluation.evaluate import (
     format_comparison,
     format_evaluation,
 )
+from tpe_train.evaluation.position_report import add_diagnostics_option, report_diagnostics
 from tpe_train.evaluation.translate import translate_stream
 from tpe_train.model.transformer import Transformer
+from tpe_train.run import logs
+
+log = logging.getLogger(__name__)
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +146,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     from tpe_train.ckpt.export import load_export
 
     args = eval_args(argv)
+    logs.configure("tpe-eval")
     try:
         if args.beam is not None and args.beam < 1:
             raise ValueError("--beam must be at least 1")
@@ -160,7 +165,7 @@ def eval_main(argv: list[str] | None = None) -> int:
             report = sys.stderr if args.json else None  # --json keeps stdout for the figures
             report_diagnostics(model.to(device), tok, cfg.data.max_len, sets[0].pairs, args.out, report)
     except (FileNotFoundError, ValueError, ConfigError) as err:  # CorpusError, InputError included
-        print(f"tpe-eval: {err}", file=sys.stderr)
+        log.error("%s", err)
         return 2
     if args.beam is not None:
         cfg.eval.beam = args.beam
@@ -282,6 +287,7 @@ def _output(path: str) -> Iterator[IO[str]]:
 def translate_main(argv: list[str] | None = None) -> int:
     """Entry point of ``tpe-translate``."""
     args = translate_args(argv)
+    logs.configure("tpe-translate", info_stream="stderr")  # stdout: the translations
     try:
         device = device_from_arg(args.device)
         total = _count_lines(args.input) if args.input != "-" else None
@@ -291,14 +297,14 @@ def translate_main(argv: list[str] | None = None) -> int:
         model, cfg, tok = loaded.model, loaded.cfg, loaded.tok
         options = decode_options(args, DecodeOptions.of(cfg.eval))
     except (FileNotFoundError, ValueError, ConfigError) as err:  # InputError included
-        print(f"tpe-translate: {err}", file=sys.stderr)
+        log.error("%s", err)
         return 2
     threads = args.threads or cfg.train.threads
     if threads:
         torch.set_num_threads(threads)
     model.to(device)
     if loaded.is_ensemble:
-        print(f"tpe-translate: {loaded.banner()}", file=sys.stderr)
+        log.info("%s", loaded.banner())
     show = args.progress if args.progress is not None else (total is not None and sys.stderr.isatty())
     try:
         with contextlib.ExitStack() as stack:
@@ -310,7 +316,8 @@ def translate_main(argv: list[str] | None = None) -> int:
                 model, tok, utf8_lines(source, name), out, options, args.buffer_lines, bar, sys.stderr
             )
     except InputError as err:  # stdin: bytes that are not UTF-8 after some lines were translated
-        print(f"tpe-translate: {err}", file=sys.stderr)
+        log.error("%s", err)
         return 2
-    print(tally.summary(), file=sys.stderr)
+    for line in tally.summary():
+        log.info("%s", line)
     return 0

@@ -50,21 +50,22 @@ class Tally:
     truncated: list[int] = field(default_factory=list)  # line numbers cut to the encoder's length
     seconds: float = 0.0
 
-    def summary(self) -> str:
+    def summary(self) -> list[str]:
+        """The lines ``tpe-translate`` logs at the end: speed, and the lines left empty or truncated."""
         s = max(self.seconds, 1e-9)
-        line = (
-            f"tpe-translate: {self.sentences:,} sentences ({self.source_tokens:,} source, "
+        lines = [
+            f"{self.sentences:,} sentences ({self.source_tokens:,} source, "
             f"{self.output_tokens:,} output tokens) in {self.seconds:.1f} s: {self.sentences / s:,.1f} "
             f"sentences/s, {self.output_tokens / s:,.0f} output tokens/s"
-        )
+        ]
         if self.too_long:
-            line += (
-                f"\ntpe-translate: {len(self.too_long)} lines longer than the encoder can represent were "
+            lines.append(
+                f"{len(self.too_long)} lines longer than the encoder can represent were "
                 f"left empty: {_lines(self.too_long)} (--truncate translates what the encoder represents)"
             )
         if self.truncated:
-            line += f"\ntpe-translate: {len(self.truncated)} lines were truncated: {_lines(self.truncated)}"
-        return line
+            lines.append(f"{len(self.truncated)} lines were truncated: {_lines(self.truncated)}")
+        return lines
 
 
 def _lines(numbers: list[int]) -> str:

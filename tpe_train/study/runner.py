@@ -273,9 +273,8 @@ def average_and_evaluate(study: Study, setting: Setting, seed: int, say: Print =
 def _submit_args(slurm_args: list[str]) -> SubmitArgs:
     """``--slurm-args`` read as ``tpe-launch submit`` reads its options: the resources of every job."""
     try:
-        from launcher.cli import submit_parser
+        from launcher.cli import submit_args, submit_parser
         from launcher.plan import LaunchError
-        from launcher.submit import SubmitArgs
     except ImportError as err:
         raise StudyError(
             f"--slurm needs the launcher package (tpe-launch, in launcher/ of the repository), which does "
@@ -290,7 +289,10 @@ def _submit_args(slurm_args: list[str]) -> SubmitArgs:
             f"--slurm-args holds config overrides ({' '.join(ns.overrides)}); give them to tpe-study run "
             "itself, after its options"
         )
-    return SubmitArgs(**{k: v for k, v in vars(ns).items() if k != "dry_run"})
+    try:
+        return submit_args(ns)  # over the user's site file, as tpe-launch submit reads it
+    except LaunchError as err:
+        raise StudyError(f"--slurm-args: {err}") from None
 
 
 def _sweep_index(kind: str) -> int:
