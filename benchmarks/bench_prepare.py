@@ -97,7 +97,8 @@ def prepare(tree: Path, corpus: Path, work: Path, args: argparse.Namespace) -> d
     r = run_sampled(cmd, env)
     if r.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.out[-3000:]}")
-    summary = [line for line in r.out.splitlines() if line.startswith(("built", "cleaning"))]
+    lines = [line.removeprefix("tpe-data: ") for line in r.out.splitlines()]
+    summary = [line for line in lines if line.startswith(("built", "cleaning"))]
     row = {
         "wall_s": round(r.wall_s, 1),
         "peak_pss_gib": round(r.peak_pss / GIB, 3),
