@@ -122,3 +122,19 @@ def test_the_demo_preset_warns_when_given_a_corpus(capsys: pytest.CaptureFixture
     assert "trains the demo's model on it (d_model 128" in err and "--preset own_corpus" in err
     load_config("own_corpus", ["data.path=corpus"])
     assert "demo's model" not in capsys.readouterr().err
+
+
+@pytest.mark.integration
+def test_the_command_exits_1_on_a_problem_and_0_without(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    root = _write(tmp_path / "c", GOOD)
+    cmd = [sys.executable, "-m", "tpe_train.data.cli", "check", "--preset", "own_corpus", f"data.path={root}"]
+    ok = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and "tpe-data: no problems found" in ok.stdout, ok.stderr
+    (root / "test.de").write_bytes(b"ein baum\n\xe9\n")
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "Traceback" not in bad.stderr
+    assert "test.en and" in bad.stderr
+    assert "test.de: 1 line against 2: the sides are not line-aligned" in bad.stderr

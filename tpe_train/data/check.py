@@ -156,7 +156,8 @@ def _text_split(cfg: DataConfig, key: str, report: Report) -> None:
             report.problems.append(
                 Problem(
                     f"{src} and {tgt}",
-                    f"{s.lines:,} lines against {t.lines:,}: the sides are not line-aligned",
+                    f"{s.lines:,} line{'s' * (s.lines != 1)} against {t.lines:,}: the sides are not "
+                    "line-aligned",
                     "make both files hold one segment per line, pair by pair (a stray line break, often a "
                     "lone \\r or an empty line, shifts every later pair)",
                     stops=True,
