@@ -8,7 +8,6 @@ import hashlib
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -80,14 +79,16 @@ def test_a_validation_set_where_nothing_fits_max_len_stops_before_training(tmp_p
 
 
 _CHILD = """
-import json, logging, sys, time
+import json, logging, os, sys, time
 from tpe_train.config import load_config
 from tpe_train.data.corpus import prepare
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
-root, store, start = sys.argv[1], sys.argv[2], float(sys.argv[3])
+root, store, gate, me = sys.argv[1:5]
 cfg = load_config("demo", ["data.corpus=text", f"data.path={root}", f"data.store_dir={store}",
                            "data.vocab_size=60"]).data
-time.sleep(max(0.0, start - time.time()))
+open(f"{gate}/{me}", "w").close()  # imported and configured: wait for the other, then go together
+while len(os.listdir(gate)) < 2:
+    time.sleep(0.01)
 data = prepare(cfg)
 print(json.dumps({"built": data.built, "store": str(data.store), "train": len(data.train)}))
 """
@@ -95,16 +96,16 @@ print(json.dumps({"built": data.built, "store": str(data.store), "train": len(da
 
 @pytest.mark.integration
 def test_two_processes_preparing_one_store_build_it_once(tmp_path: Path) -> None:
-    root, store = _corpus(tmp_path / "c", n=3000), tmp_path / "store"
-    start = time.time() + 8  # both past their imports, then at the lock together
+    root, store, gate = _corpus(tmp_path / "c", n=3000), tmp_path / "store", tmp_path / "gate"
+    gate.mkdir()
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _CHILD, str(root), str(store), str(start)],
+            [sys.executable, "-c", _CHILD, str(root), str(store), str(gate), str(i)],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
         )
-        for _ in range(2)
+        for i in range(2)
     ]
     outs = [p.communicate(timeout=240) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
