@@ -56,7 +56,10 @@ def _complete(run_dir: Path) -> list[Entry]:
 
 
 def _checkpoint(path: Path) -> Path:
-    """A checkpoint directory, or a run directory's latest complete one."""
+    """A checkpoint directory, a run's ``checkpoints/latest`` pointer (the checkpoint it names), or a
+    run directory's latest complete one."""
+    if path.name == LATEST and path.is_file():  # RUN_DIR/checkpoints/latest: the step it names
+        path = path.parent / path.read_text().strip()
     if (path / MANIFEST).is_file():
         entry = next((e for e in [*entries(path.parent)] if e.path == path), None)
         if entry is None or not entry.complete:
