@@ -40,7 +40,7 @@ def value(preset: str, key: str) -> float:
     node = load_config(preset, [])
     for part in key.split("."):
         node = getattr(node, part)
-    return float(node)
+    return float(node)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(
