@@ -181,6 +181,7 @@ def run_command(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
         assert args[:1] in (["run"], ["submit"]), f"tpe-launch {args[:1]} has no dry run"
         for var in [v for v in os.environ if v.startswith("SLURM_")] + ["CUDA_VISIBLE_DEVICES"]:
             monkeypatch.delenv(var, raising=False)
+        monkeypatch.setenv("TPE_SLURM_CONFIG", "")  # no site file of whoever runs the tests
         err = io.StringIO()
         with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
             code = entry_point(name)([*args, "--dry-run"])
