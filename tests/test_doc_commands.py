@@ -283,6 +283,8 @@ def test_the_checkpoint_page_commands_run_on_a_tiny_run(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "tpe_train.train", *TINY, f"train.run_dir={run}"]
     trained = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr[-3000:]
+    latest = run / "checkpoints" / "latest"  # the pointer file names a checkpoint as well
+    assert cli._checkpoint(latest) == cli._checkpoint(run) == run / "checkpoints" / latest.read_text().strip()
     for command in documented:
         argv = list(command.argv[1:])
         if argv[0] == "reshard":  # two ranks under accelerate: too slow here; its source resolves

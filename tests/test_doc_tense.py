@@ -9,7 +9,8 @@ from support.docs import DOCS, README, prose, where
 
 PAGES = [README, *sorted(DOCS.glob("*.md"))]
 HISTORY = re.compile(
-    r"\b(before this (change|design)|used to|since then|previously|no longer|was changed|we fixed"
+    r"\b(before this (change|design)|used to|since then|previously|formerly|no longer|was changed|we fixed"
+    r"|(was|has been) fixed"
     r"|not (yet|\w+ \w+ yet|been \w+ yet)|(not|never) \w+ yet|has not \w+ on a \w+ yet)\b",
     re.I,
 )
