@@ -169,10 +169,13 @@ def run_command(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
     if name.startswith("python"):
         if args[:1] == ["-m"]:
             module, rest = args[1], args[2:]
-            scripts = {"tpe_train.train": "tpe-train", "tpe_train.study.cli": "tpe-study"}
             if module == "tpe_train.evaluation" and rest[:1] == ["translate"]:
                 return run_command(["tpe-translate", *rest[1:]], monkeypatch)
-            scripts["tpe_train.evaluation"] = "tpe-eval"
+            scripts = {"tpe_train.evaluation": "tpe-eval"}  # the package runs tpe-eval's main
+            for script, target in console_scripts().items():  # X.cli and X run script's main
+                path = target.partition(":")[0]
+                scripts.setdefault(path, script)
+                scripts.setdefault(path.removesuffix(".cli"), script)
             assert module in scripts, f"python -m {module}: a module this test does not know; teach it"
             return run_command([scripts[module], *rest], monkeypatch)
         check_benchmark(argv)
