@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tpe_train.ckpt.shards import iter_tensors, read_index
+from tpe_train.ckpt.shards import read_index, read_tensor
 from tpe_train.ckpt.store import entries, sha256
 
 pytestmark = pytest.mark.integration  # every test here starts the project's commands
@@ -58,7 +58,7 @@ def samples(run_dir: Path) -> list[dict]:
 def weights(path: Path, moments: bool = False) -> dict:
     """A checkpoint's weights (or Adam moments), consolidated from its shards."""
     index = read_index(path)
-    return dict(iter_tensors(path, index, [n for n in index["tensors"] if ("/" in n) == moments]))
+    return {n: read_tensor(path, index, n) for n in index["tensors"] if ("/" in n) == moments}
 
 
 def exported(path: Path) -> dict:

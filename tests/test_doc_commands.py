@@ -8,8 +8,8 @@
 - ``tpe-eval``, ``tpe-translate``, ``tpe-ckpt`` and the other ``tpe-study`` commands parse with their
   real parsers; the ``tpe-ckpt`` commands of docs/checkpoints.md also run on a tiny trained run
   directory put where the page's run directory is.
-- ``python benchmarks/X.py``: the script exists and has every option given (the benchmarks' smoke
-  test runs them); ``bash``/``sbatch`` name an existing file.
+- ``python benchmarks/X.py`` and ``python -m benchmarks.gpu.X``: the script exists and has every
+  option given (the benchmarks' smoke test runs them); ``bash``/``sbatch`` name an existing file.
 - A file the command names exists in the repository, and no command needs a folder outside it (only
   the project's own machines have one) without saying so through an option.
 - Code spans of the prose (`` `tpe-translate --length-penalty 0` ``) use only options their command's
@@ -128,7 +128,7 @@ def check_benchmark(argv: list[str]) -> None:
     if argv[1].startswith("benchmarks/"):
         text = script.read_text()
         for name in re.findall(r"^(?:from|import) ([\w.]+)", text, re.M):
-            for folder in {script.parent, ROOT / "benchmarks", ROOT}:  # its folder's, or by package
+            for folder in (script.parent, ROOT / "benchmarks", ROOT):  # its folder's, or by package
                 module = folder.joinpath(*name.split(".")).with_suffix(".py")
                 if module.is_file():
                     text += module.read_text()
@@ -169,6 +169,9 @@ def run_command(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
     if name.startswith("python"):
         if args[:1] == ["-m"]:
             module, rest = args[1], args[2:]
+            if module.startswith("benchmarks."):  # the GPU checks run as modules
+                check_benchmark([name, module.replace(".", "/") + ".py", *rest])
+                return "script"
             if module == "tpe_train.evaluation" and rest[:1] == ["translate"]:
                 return run_command(["tpe-translate", *rest[1:]], monkeypatch)
             scripts = {"tpe_train.evaluation": "tpe-eval"}  # the package runs tpe-eval's main

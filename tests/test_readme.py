@@ -104,7 +104,8 @@ def test_repository_paths_in_backticks_exist() -> None:
 
 def test_no_command_hides_in_an_indented_code_block() -> None:
     """Commands belong in fenced blocks, where test_documented_command_runs sees them."""
-    command = re.compile(r"^ {4,}(tpe-|python -m tpe_train|python benchmarks/|accelerate launch)")
+    starts = r"tpe-|python -m (tpe_train|benchmarks)|python benchmarks/|accelerate launch"
+    command = re.compile(rf"^ {{4,}}({starts})")
     hidden = [where(page, n) for page in PAGES for n, line in prose(page) if command.match(line)]
     assert not hidden, "indented commands (fence them):\n" + "\n".join(hidden)
 

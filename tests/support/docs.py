@@ -11,8 +11,8 @@ Commands come from two places:
   (`` `tpe-translate --length-penalty 0` ``): fragments, checked for their options only.
 
 The project's commands are the console scripts of pyproject.toml, ``accelerate``, ``python -m
-tpe_train...``, ``python some/script.py``, ``sbatch`` and ``bash some/script``; pip, pytest and the
-like are not checked.
+tpe_train...``, ``python -m benchmarks...``, ``python some/script.py``, ``sbatch`` and ``bash
+some/script``; pip, pytest and the like are not checked.
 """
 
 from __future__ import annotations
@@ -138,7 +138,8 @@ def checked(words: list[str]) -> bool:
         return True
     if head in ("python", "python3") and len(words) > 1:
         module = words[2] if words[1] == "-m" and len(words) > 2 else ""
-        return (module.startswith("tpe_train.") and module != "tpe_train.config") or words[1].endswith(".py")
+        project = module.startswith(("tpe_train.", "benchmarks.")) and module != "tpe_train.config"
+        return project or words[1].endswith(".py")
     return False
 
 

@@ -23,7 +23,7 @@ A model that the format cannot represent exactly is refused, with the reason.
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import os
 import subprocess
 import sys
@@ -32,17 +32,30 @@ from pathlib import Path
 
 from tpe_train.ckpt.export import (
     KINDS,
-    META,
     WEIGHTS,
     check_export_out,
     export_mean,
     load_export,
+    read_meta,
     save_export,
 )
 from tpe_train.ckpt.rundir import CONFIG, TOKENIZER, RunDir
-from tpe_train.ckpt.store import LATEST, MANIFEST, TRAINER, CheckpointError, Entry, entries, latest_complete
+from tpe_train.ckpt.store import (
+    LATEST,
+    MANIFEST,
+    TRAINER,
+    CheckpointError,
+    Entry,
+    entries,
+    latest_complete,
+    latest_named,
+)
 from tpe_train.config import ConfigError
+from tpe_train.run import logs, members
 from tpe_train.run.outputs import OutputRefused, check_output, replaced_in_place
+from tpe_train.run.readers import reading
+
+log = logging.getLogger(__name__)
 
 
 def _complete(run_dir: Path) -> list[Entry]:
@@ -56,10 +69,11 @@ def _complete(run_dir: Path) -> list[Entry]:
 
 
 def _checkpoint(path: Path) -> Path:
-    """A checkpoint directory, a run's ``checkpoints/latest`` pointer (the checkpoint it names), or a
-    run directory's latest complete one."""
-    if path.name == LATEST and path.is_file():  # RUN_DIR/checkpoints/latest: the step it names
-        path = path.parent / path.read_text().strip()
+    """A checkpoint directory, a run directory's latest complete one, or the one its
+    ``checkpoints/latest`` names."""
+    if path.name == LATEST and RunDir.of_checkpoints(path.parent) is not None:
+        named = latest_named(path.parent)
+        path = named if named is not None else path
     if (path / MANIFEST).is_file():
         entry = next((e for e in [*entries(path.parent)] if e.path == path), None)
         if entry is None or not entry.complete:
@@ -82,7 +96,8 @@ def _read_from(source: Path) -> Path:
 def cmd_list(args: argparse.Namespace) -> None:
     root = RunDir(Path(args.run_dir)).checkpoints
     found = entries(root)
-    latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else ""
+    named = latest_named(root)
+    latest = named.name if named is not None else ""
     print(f"{'checkpoint':22s} {'step':>8s} {'state':10s} {'layout':28s} {'size':>10s}")
     for e in found:
         lay = e.layout
@@ -98,10 +113,11 @@ def cmd_list(args: argparse.Namespace) -> None:
 
 def cmd_average(args: argparse.Namespace) -> None:
     check_export_out(Path(args.out), "tpe-ckpt average", [_read_from(Path(args.run_dir))])
-    chosen = _complete(Path(args.run_dir))[-args.last :]
-    if len(chosen) < args.last:
-        print(f"tpe-ckpt: only {len(chosen)} complete checkpoints; averaging those", file=sys.stderr)
-    out = export_mean([e.path for e in chosen], Path(args.out), "tpe-ckpt average")
+    with reading(RunDir.readers_root(Path(args.run_dir))):  # no prune while chosen and read
+        chosen = _complete(Path(args.run_dir))[-args.last :]
+        if len(chosen) < args.last:
+            log.warning("only %d complete checkpoints; averaging those", len(chosen))
+        out = export_mean([e.path for e in chosen], Path(args.out), "tpe-ckpt average")
     print(f"averaged {', '.join(e.path.name for e in chosen)} -> {out}")
 
 
@@ -116,6 +132,11 @@ def _is_export(path: Path) -> bool:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
+    with reading(RunDir.readers_root(Path(args.checkpoint))):  # no prune while chosen and read
+        _export(args)
+
+
+def _export(args: argparse.Namespace) -> None:
     source, out = Path(args.checkpoint), Path(args.out)
     if args.quantization and args.format != "ctranslate2":
         raise ConfigError(
@@ -142,8 +163,7 @@ def cmd_export(args: argparse.Namespace) -> None:
             model, cfg, tok = load_export(native)
         except ValueError as err:  # a hash or shape that does not match: the export is damaged
             raise CheckpointError(str(err)) from None
-        meta = native / META
-        step = int(json.loads(meta.read_text()).get("step", 0)) if meta.is_file() else 0
+        step = read_meta(native).get("step", 0)
         if args.format == "native":
             written = save_export(out, model, cfg, tok, step, COMMAND, [source])
         elif args.format == "hf":
@@ -158,8 +178,13 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_reshard(args: argparse.Namespace) -> None:
+    with reading(RunDir.readers_root(Path(args.checkpoint))):  # no prune while the new layout reads it
+        _reshard(args)
+
+
+def _reshard(args: argparse.Namespace) -> None:
     path = _checkpoint(Path(args.checkpoint))
-    step = int(json.loads((path / TRAINER).read_text())["step"])
+    step = members.read_json(path, TRAINER, {"step": int}, error=CheckpointError)["step"]
     out = Path(args.out)
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
@@ -204,12 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deepspeed-shards", action="store_true", help="also write DeepSpeed's own shard files")
     p.set_defaults(fn=cmd_reshard)
     args = parser.parse_args(argv)
+    logs.configure("tpe-ckpt")
     if getattr(args, "last", 1) < 1:
         parser.error("--last must be at least 1")
     try:
         args.fn(args)
     except (CheckpointError, ConfigError, FileNotFoundError, OutputRefused) as err:
-        print(f"tpe-ckpt: {err}", file=sys.stderr)
+        log.error("%s", err)
         return 2
     return 0
 

@@ -107,6 +107,18 @@ class RunDir:
         return None
 
     @classmethod
+    def readers_root(cls, path: Path) -> Path | None:
+        """The checkpoints folder whose readers' lock (``run.readers``) covers ``path``: a checkpoint's
+        own ``checkpoints/``, a run directory's, or that of the run directory an export lies in."""
+        path = Path(path)
+        if cls.of_checkpoints(path.parent) is not None:  # a checkpoint
+            return path.parent
+        for run in (cls(path), cls(path.parent)):  # a run directory, an export in one
+            if run.checkpoints.is_dir():
+                return run.checkpoints
+        return None
+
+    @classmethod
     def of_checkpoints(cls, path: Path) -> RunDir | None:
         """The run directory whose checkpoints directory ``path`` is, if it is one."""
         run = cls(path.parent)

@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from tpe_train.run import members
 from tpe_train.run.atomic import TEMP_MARK, fsync_dir, temp_name, write_json
 
 log = logging.getLogger(__name__)
@@ -50,10 +51,13 @@ class OutputRefused(ValueError):
 
 
 def marker(folder: Path) -> dict[str, Any] | None:
-    """The marker of ``folder`` (None when it has none or an unreadable one)."""
+    """The marker of ``folder`` (None when it has none or an unreadable one). Read as a file of a folder
+    from elsewhere: a regular file, not through a symlink, at most 1 MiB."""
+    if members.lstat_regular(Path(folder) / MARKER) is None:  # only a plain file is opened at all
+        return None
     try:
-        data = json.loads((Path(folder) / MARKER).read_text())
-    except (OSError, ValueError):
+        data = json.loads(members.read_text(Path(folder), MARKER, members.MIB))
+    except (OSError, ValueError):  # MemberError is a ValueError
         return None
     ok = isinstance(data, dict) and isinstance(data.get("kind"), str) and isinstance(data.get("files"), list)
     return data if ok else None

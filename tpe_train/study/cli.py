@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import shlex
 import sys
 from pathlib import Path
 from typing import NoReturn
 
+from tpe_train.run import logs
 from tpe_train.run.lock import RunDirBusy, RunLock
 from tpe_train.study.grid import ENCODINGS, Study, StudyError, parse_seeds, parse_setting
+
+log = logging.getLogger(__name__)
 
 
 class Parser(argparse.ArgumentParser):
@@ -188,7 +192,7 @@ def cmd_run(argv: list[str]) -> int:
             print(f"report: {write_report(study, args.heatmap_positions)}")
             print(f"images: tensorboard --logdir {study.report_dir / 'tb'}; runs: tensorboard --logdir {out}")
     if failed:
-        print(f"tpe-study: {len(failed)} runs failed: {', '.join(failed)}", file=sys.stderr)
+        log.error("%d runs failed: %s", len(failed), ", ".join(failed))
         return 1
     return 0
 
@@ -346,8 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command = COMMANDS.get(argv[0])
     if command is None:
-        print(f"tpe-study: unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)}", file=sys.stderr)
+        logs.configure("tpe-study")
+        log.error("unknown command %r; use one of %s", argv[0], ", ".join(COMMANDS))
         return 2
+    logs.configure(f"tpe-study {argv[0]}")
     from tpe_train.run.exits import EXIT_PREEMPTED
     from tpe_train.run.outputs import OutputRefused
     from tpe_train.study.runner import StudyPreempted
@@ -355,13 +361,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return command(argv[1:])
     except StudyPreempted as err:
-        print(f"tpe-study {argv[0]}: {err}", file=sys.stderr)
+        log.warning("%s", err)
         return EXIT_PREEMPTED
     except KeyboardInterrupt:
-        print(f"tpe-study {argv[0]}: interrupted; the same command resumes the study", file=sys.stderr)
+        log.warning("interrupted; the same command resumes the study")
         return 130
     except (StudyError, ConfigError, RunDirBusy, OutputRefused) as err:
-        print(f"tpe-study {argv[0]}: error: {err}", file=sys.stderr)
+        log.error("%s", err)
         return 2
 
 
