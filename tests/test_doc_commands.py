@@ -6,8 +6,8 @@
 - ``tpe-launch run|submit`` runs with ``--dry-run`` (the job script is rendered, nothing starts).
 - ``tpe-data``, ``tpe-study run`` parse with their real parsers, and their preset and overrides load.
 - ``tpe-eval``, ``tpe-translate``, ``tpe-ckpt`` and the other ``tpe-study`` commands parse with their
-  real parsers; the ``tpe-ckpt`` commands of docs/checkpoints.md also run on a tiny trained run
-  directory put where the page's run directory is.
+  real parsers; the ``tpe-ckpt`` commands on the demo's run directory also run, on a tiny trained
+  run directory put where the docs' one is.
 - ``python benchmarks/X.py`` and ``python -m benchmarks.gpu.X``: the script exists and has every
   option given (the benchmarks' smoke test runs them); ``bash``/``sbatch`` name an existing file.
 - A file the command names exists in the repository, and no command needs a folder outside it (only
@@ -257,7 +257,7 @@ def test_the_extraction_reads_continuations_prompts_comments_and_variables(tmp_p
 
 
 # --------------------------------------------------------------------------------------------------
-# docs/checkpoints.md's tpe-ckpt commands, run on a tiny run directory
+# The tpe-ckpt commands on the demo's run directory (README, checkpoints.md), run on a tiny one
 
 DEMO_RUN = "runs/demo-sinusoidal-s1"
 TINY = [
@@ -282,11 +282,10 @@ TINY = [
 
 
 @pytest.mark.integration
-def test_the_checkpoint_page_commands_run_on_a_tiny_run(tmp_path: Path) -> None:
+def test_the_tpe_ckpt_commands_of_the_demo_run_run_on_a_tiny_run(tmp_path: Path) -> None:
     from tpe_train.ckpt import cli
 
-    page = ROOT / "docs" / "checkpoints.md"
-    documented = [c for c in commands([page]) if c.argv[0] == "tpe-ckpt" and DEMO_RUN in " ".join(c.argv)]
+    documented = [c for c in COMMANDS if c.argv[0] == "tpe-ckpt" and DEMO_RUN in " ".join(c.argv)]
     assert {c.argv[1] for c in documented} >= {"list", "average", "export", "reshard"}
     run = tmp_path / DEMO_RUN
     cmd = [sys.executable, "-m", "tpe_train.train", *TINY, f"train.run_dir={run}"]
