@@ -47,7 +47,7 @@ from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report, optimizer_state_bytes
 from tpe_train.parallel.plan import apply_tensor_parallel
 from tpe_train.run.exits import end_process
-from tpe_train.train.loop import engine_options
+from tpe_train.train.build import engine_options
 from tpe_train.train.step import autocast_dtype, batch_loss, train_step
 
 VOCAB = 64
