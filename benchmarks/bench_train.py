@@ -34,8 +34,8 @@ What is measured
    gradient g^T x -- through PyTorch's kernel and through oneDNN (fp32) or widened (bf16), and
    which one ``train.cpu_gemm=auto`` takes on this processor.
 2. **Training step**: forward + label-smoothed loss (eps 0.1, ``label_smoothed_loss`` on the logits
-   for *every* model, HF ones included, never HF's ``labels=``) + backward + Adam step (fused, as
-   the trainer's AdamW without weight decay), dropout on,
+   for *every* model, HF ones included, never HF's ``labels=``) + backward + the trainer's
+   optimizer step (fused AdamW with the config's settings and lr schedule), dropout on,
    in fp32 and under ``torch.autocast("cpu", dtype=torch.bfloat16)`` around forward + loss (fp32
    master weights). Rows: every tpe_train encoding, plus Hugging Face models of the same shape built
    from a config with random weights (``peers.py``): MarianMT (sinusoidal) <-> ``sinusoidal``, BART (learned
@@ -373,7 +373,7 @@ def run_training(
     device = torch.device(args.device)
     clock = time.thread_time if args.cpu_time else time.perf_counter
     train_rows = [
-        TrainRow(name, make_model(cfg, name), batches, device, dtype, EPSILON)
+        TrainRow(name, make_model(cfg, name), batches, device, cfg.train, dtype, EPSILON)
         for dtype in dtypes
         for name in names
         if not (args.no_hf_bf16 and dtype == "bf16" and name.startswith("hf-"))
@@ -385,7 +385,7 @@ def run_training(
     print()
     print_peak("during training (interleaved with the steps; used for MFU)", peak)
     print(
-        f"\ntraining step (fwd + label-smoothed loss + bwd + fused Adam), median of {args.steps}"
+        f"\ntraining step (fwd + label-smoothed loss + bwd + fused AdamW), median of {args.steps}"
         f" interleaved steps after {args.warmup} warm-up;\nvs HF = tok/s / tok/s of matching HF model"
         " (>1: tpe faster);"
         " vs none = step time / tpe none's (same dtype);\nMFU = model FLOP/s / the GEMM peak of the row's"

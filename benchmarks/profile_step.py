@@ -159,7 +159,7 @@ def main(argv: list[str] | None = None) -> None:
     cfg, uniform = bench_config(args.smoke), SMOKE_BATCHES if args.smoke else Uniform()
     cpu = torch.device("cpu")
     batches = uniform.batches(cfg.data.vocab_size, 0, cpu)
-    row = TrainRow(args.kind, build(cfg, args.kind), batches, cpu, args.dtype)
+    row = TrainRow(args.kind, build(cfg, args.kind), batches, cpu, cfg.train, args.dtype)
     for _ in range(args.warmup):
         row.step()
     if args.timer == "ops":

@@ -22,17 +22,13 @@ from tpe_train.ckpt.rundir import CONFIG, TOKENIZER, RunDir
 from tpe_train.ckpt.shards import read_index, read_tensor, write_safetensors
 from tpe_train.ckpt.store import TRAINER, CheckpointError, entries, sha256, verify, written_directory
 from tpe_train.config import Config, ConfigError, validate
-from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
+from tpe_train.data.batching import model_args
 from tpe_train.data.tokenizer import load_tokenizer, vocab_hash
+from tpe_train.model.build import build_model
 from tpe_train.model.transformer import Transformer
 
 #: An export's files besides ``CONFIG`` and ``TOKENIZER``: the weights, and hashes and step.
 WEIGHTS, META = "model.safetensors", "meta.json"
-
-
-def build_model(cfg: Config, tok: Tokenizer) -> Transformer:
-    """The model a config describes, over the tokenizer's vocabulary."""
-    return Transformer(cfg.model.args(tok.get_vocab_size(), PAD_ID, BOS_ID, EOS_ID))
 
 
 def write_export(
@@ -98,7 +94,7 @@ def load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
                 f"{directory / name} does not match the hash recorded in {meta_path} when it was written: "
                 "the file was modified or corrupted; export the checkpoint again (tpe-ckpt export)"
             )
-    model = build_model(cfg, tok)
+    model = build_model(model_args(cfg.model, tok.get_vocab_size()))
     state = load_file(str(directory / WEIGHTS))
     result = model.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
@@ -119,7 +115,10 @@ def export_mean(sources: list[Path], out: Path) -> Path:
     cfg = validate(yaml.safe_load((first / CONFIG).read_text()))
     tok = load_tokenizer(first / TOKENIZER)
     with torch.device("meta"):
-        shapes = {name: tuple(p.shape) for name, p in build_model(cfg, tok).named_parameters()}
+        shapes = {
+            name: tuple(p.shape)
+            for name, p in build_model(model_args(cfg.model, tok.get_vocab_size())).named_parameters()
+        }
     indexes = []
     for path in sources:
         index = read_index(path)

@@ -30,7 +30,7 @@ from tpe_train.parallel.deepspeed import Layout, deepspeed_config
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import MemoryReport, memory_report
 from tpe_train.train import batch_size
-from tpe_train.train.build import build_engine
+from tpe_train.train.build import build_engine, build_train_model
 from tpe_train.train.step import TokenTally, autocast_dtype, precision_warning, seed_everything
 from tpe_train.train.throughput import configure_cpu
 
@@ -86,7 +86,11 @@ def start(asked: Config, layout: Layout, ctx: ParallelContext) -> Run:
     data = prepare_data(asked, ctx)
     cfg, batch = batch_size.plan(asked, data, ctx, start_recorded=asked.train.resume != "never")
     seed_everything(cfg.train.seed)  # as if nothing ran before: a probe draws from the generators
-    engine = build_engine(cfg, data, ctx, layout)
+    model = build_train_model(cfg, data.tokenizer.get_vocab_size(), ctx)
+    if ctx.dp_size > 1:
+        torch.manual_seed(cfg.train.seed + 7919 * ctx.dp_rank)  # dropout: one stream per data-parallel rank
+    ds_config = deepspeed_config(cfg, layout) if layout.deepspeed is not None else None
+    engine = build_engine(model, cfg, ctx, ds_config)
     batches = TrainBatches(data, cfg.data, cfg.train.seed, ctx.dp_rank, ctx.dp_size)
     run_dir = RunDir(cfg.run_dir())
     zero = layout.zero_stage

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tpe_train.config import Config
-from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID, Batch
+from tpe_train.data.batching import Batch, model_args
 from tpe_train.model.args import ModelArgs
 from tpe_train.model.kernels import _ONEDNN, cpu_rules, set_cpu_gemm
 from tpe_train.parallel.context import ParallelContext
@@ -233,7 +233,7 @@ class Throughput:
     def of_run(cls, cfg: Config, vocab_size: int, ctx: ParallelContext) -> Throughput:
         """The meter of a training run (the peak is measured on the main rank only, which logs)."""
         dtype = torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
-        args = cfg.model.args(vocab_size, PAD_ID, BOS_ID, EOS_ID)
+        args = model_args(cfg.model, vocab_size)
         return cls(args, dtype, ctx.device, ctx.tp_size, cfg.train.peak_gflops, enabled=ctx.is_main)
 
     def step(self, batches: Sequence[Batch]) -> None:
