@@ -176,7 +176,7 @@ def test_run_directory_names_are_spelled_only_in_rundir() -> None:
     path from one of its names."""
     names = (
         r'checkpoints|checkpoint|tb|eval\.json|averaged-last[^"]*|config\.yaml|tokenizer\.json|'
-        r'preempted\.json|memory\.json|deepspeed\.json|samples|slurm-[^"]*'
+        r'preempted\.json|memory\.json|deepspeed\.json|samples|train\.log|slurm-[^"]*'
     )
     path_of_name = re.compile(rf'/\s*f?"({names})"')
     other_layouts = {  # directories that are not run directories, with names of their own

@@ -36,12 +36,13 @@ def run(cfg: Config) -> dict[str, Any]:
 
 def train(asked: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
     """The run itself, once this process's rank 0 owns the run directory."""
-    run = startup.start(asked, layout, ctx)
-    try:
-        saver = train_steps(run)
-        return export_and_evaluate(run, saver.final())
-    finally:
-        run.close()
+    with startup.log_file(asked, ctx):
+        run = startup.start(asked, layout, ctx)
+        try:
+            saver = train_steps(run)
+            return export_and_evaluate(run, saver.final())
+        finally:
+            run.close()
 
 
 def train_steps(run: Run) -> Saver:

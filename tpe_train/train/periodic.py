@@ -5,6 +5,7 @@ stopping (``Validator``), checkpoints (``Saver``), the ids of every batch (``Sam
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 from typing import IO
@@ -22,6 +23,8 @@ from tpe_train.train.startup import Run
 from tpe_train.train.step import StepResult, validate
 from tpe_train.train.throughput import Throughput
 
+log = logging.getLogger(__name__)
+
 
 class StepLog:
     """The training figures: counted every step, read back and written at the log steps (TensorBoard,
@@ -31,7 +34,8 @@ class StepLog:
         cfg, ctx = run.cfg, run.ctx
         self.run, self.cadence = run, Cadence.of(cfg.train)
         show = cfg.train.progress and ctx.is_main and sys.stderr.isatty()
-        self.lines = ctx.is_main and not show  # a log (Slurm, nohup, a pipe) gets a line per log_every
+        # a log (Slurm, nohup, a pipe) shows a line per log_every; a terminal the bar (the file the lines)
+        self.level = logging.DEBUG if show else logging.INFO
         total, initial = cfg.train.max_steps, run.progress.step
         self.bar = tqdm(total=total, initial=initial, disable=not show, dynamic_ncols=True)
         self.meter = Throughput.of_run(cfg, run.data.tokenizer.get_vocab_size(), ctx)  # tokens/s, MFU
@@ -58,8 +62,7 @@ class StepLog:
             scalars["train/loss_scale"] = scaler["cur_scale"]  # halved at each overflow
         write_scalars(run.writer, scalars, step)
         self.bar.set_postfix(loss=f"{scalars['train/loss']:.3f}", lr=f"{scalars['train/lr']:.2e}")
-        if self.lines:
-            print(log_line(step, run.cfg.train.max_steps, scalars), flush=True)
+        log.log(self.level, log_line(step, run.cfg.train.max_steps, scalars))
 
     def close(self) -> None:
         self.bar.close()
@@ -95,8 +98,7 @@ class Validator:
         run = self.run
         figures = validate(run.engine, run.data, run.cfg, run.ctx, run.amp_dtype)
         write_scalars(run.writer, figures, step)
-        if run.ctx.is_main:
-            tqdm.write(log_line(step, run.cfg.train.max_steps, figures))
+        log.info(log_line(step, run.cfg.train.max_steps, figures))
         new_best, self.stop = selection.observe(run.progress.best, figures, run.cfg, step, run.ctx)
         return new_best
 
@@ -116,15 +118,14 @@ class Saver:
         run = self.run
         run.progress.tokens = run.tally.total()
         self.last = run.checkpointer.save(run.progress, wait=wait)
-        if run.ctx.is_main:
-            tqdm.write(f"tpe-train: checkpoint {self.last}")
+        log.info("checkpoint %s", self.last)
 
     def preempted(self, step: int) -> None:
         """Record a preemption (the checkpoint of ``step`` complete) for the launcher."""
         run = self.run
         if run.ctx.is_main:
             run.run_dir.preempted.write_text(json.dumps({"step": step, "checkpoint": str(self.last)}))
-            print(f"tpe-train: preempted at step {step}; checkpoint {self.last}; exiting {EXIT_PREEMPTED}")
+            log.info("preempted at step %d; checkpoint %s; exiting %d", step, self.last, EXIT_PREEMPTED)
 
     def final(self) -> Path:
         """The last step's complete checkpoint: waited for, or saved now (e.g. a run resumed from

@@ -9,7 +9,10 @@ work) -> data -> the batch of this launch (``asked``: the config as given, kept 
 from __future__ import annotations
 
 import json
+import logging
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,10 +32,13 @@ from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.deepspeed import Layout, deepspeed_config
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import MemoryReport, memory_report
+from tpe_train.run import logs
 from tpe_train.train import batch_size
 from tpe_train.train.build import build_engine, build_train_model
 from tpe_train.train.step import TokenTally, autocast_dtype, precision_warning, seed_everything
 from tpe_train.train.throughput import configure_cpu
+
+log = logging.getLogger(__name__)
 
 
 class Signals:
@@ -71,6 +77,17 @@ class Run:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+@contextmanager
+def log_file(cfg: Config, ctx: ParallelContext) -> Iterator[None]:
+    """Rank 0 also logs to ``train.log`` in the run directory while the run lasts."""
+    handler = logs.add_file(RunDir(cfg.run_dir()).log, rank=ctx.rank) if ctx.is_main else None
+    try:
+        yield
+    finally:
+        if handler is not None:
+            logs.remove_file(handler)
 
 
 def start(asked: Config, layout: Layout, ctx: ParallelContext) -> Run:
@@ -149,23 +166,23 @@ def report(run: Run, reports: list[MemoryReport], resume_from: Path | None) -> N
     """The start-up lines: cleaning, model and data, layout, precision, batch, resume, memory."""
     cfg, data = run.cfg, run.data
     for line in data.splits.report:
-        print(f"tpe-train: cleaning {line}")
-    print(
-        f"tpe-train: {cfg.preset} | position {cfg.model.position.kind} | "
+        log.info(f"cleaning {line}")
+    log.info(
+        f"{cfg.preset} | position {cfg.model.position.kind} | "
         f"{parameter_count(run.engine.module) / 1e6:.2f}M parameters on this rank | "
         f"{'streamed' if cfg.data.streaming else len(data.train)} training pairs "
         f"({data.dropped_too_long} longer than data.max_len dropped) | vocab "
         f"{data.tokenizer.get_vocab_size()} | token store {data.store} "
         f"({'built' if data.built else 'reused'}) | run dir {run.run_dir.path}"
     )
-    print(f"tpe-train: {run.ctx.describe()} | ZeRO {run.layout.zero_stage} | {run.layout.source}")
+    log.info(f"{run.ctx.describe()} | ZeRO {run.layout.zero_stage} | {run.layout.source}")
     warning = precision_warning(cfg, run.ctx.device)
     if warning is not None:
-        print(f"tpe-train: warning: {warning}", flush=True)
+        log.warning(warning)
     batch = run.batch
     for line in filter(None, (batch_size.auto_note(run.asked, batch), batch.line(), batch.warning())):
-        print(f"tpe-train: {line}")
+        log.info(line)
     if resume_from is not None:
-        print(f"tpe-train: resumed from {resume_from} at step {run.progress.step}")
+        log.info(f"resumed from {resume_from} at step {run.progress.step}")
     for r in reports:
-        print(f"tpe-train: memory {r.line()}")
+        log.info(f"memory {r.line()}")
