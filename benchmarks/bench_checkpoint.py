@@ -146,7 +146,7 @@ def worker(out_json: Path, work: Path, preset: str, smoke: bool) -> None:
     rows = [torch.randint(4, vocab, (12,), generator=g).tolist() for _ in range(4)]
     src, tgt = pad([[*r, EOS_ID] for r in rows]), pad([[*r, EOS_ID] for r in rows])
     batch = Batch(ids=torch.arange(4), src=src, tgt_in=pad(rows, prefix=BOS_ID), tgt_out=tgt)
-    train_step(engine, [batch], cfg, ctx, cast=None)  # Adam's moments exist from here on
+    train_step(engine, [batch], cfg, ctx, amp_dtype=None)  # Adam's moments exist from here on
     tok = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1}, unk_token="<unk>"))
     progress = Progress(step=1, tokens=0.0)
     result: dict[str, Any] = {

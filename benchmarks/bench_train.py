@@ -46,7 +46,7 @@ What is measured
    ``vs HF`` = tokens/s of the row / tokens/s of its matching HF model (> 1: tpe_train faster),
    ``vs none`` = step time / step time of tpe ``none`` in the same dtype, MFU = model FLOP/s /
    the measured peak of the row's dtype. The process runs as the trainer does
-   (``tpe_train.train.throughput.configure_cpu``: ``train.cpu_gemm``, allocator), HF rows included.
+   (``tpe_train.train.cpu_setup.configure_cpu``: ``train.cpu_gemm``, allocator), HF rows included.
 3. **Model FLOPs**: ``tpe_train.train.throughput.forward_flops`` (matmul FLOPs, 2 per multiply-add, training =
    3 x forward, padded lengths; formula in that module's docstring). Norms, softmax, the loss,
    position-encoding extras and the optimizer are not counted, so all models of this shape do the
@@ -112,7 +112,7 @@ from tpe_train.config import Config
 from tpe_train.model import kernels
 from tpe_train.model.args import ModelArgs
 from tpe_train.positions import POSITIONS
-from tpe_train.train import throughput
+from tpe_train.train import cpu_setup, throughput
 
 EPSILON = 0.1
 BATCHES = Uniform()  # 4 batches of 128 sentences of 24..36 content tokens (the target adds EOS)
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     clock = time.thread_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
-    throughput.configure_cpu(args.cpu_gemm, device)  # as the trainer: GEMM kernels, allocator
+    cpu_setup.configure_cpu(args.cpu_gemm, device)  # as the trainer: GEMM kernels, allocator
     started = time.perf_counter()
     cfg = bench_config(args.smoke)
     shape = model_args(cfg)

@@ -13,7 +13,8 @@ from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
 from tpe_train.train.cadence import Cadence
-from tpe_train.train.step import inverse_sqrt, train_step
+from tpe_train.train.schedule import inverse_sqrt
+from tpe_train.train.step import train_step
 
 
 def batch(rows: list[list[int]]) -> Batch:
@@ -35,7 +36,7 @@ def one_step(micro: list[Batch], accumulate: int) -> tuple[dict[str, float], lis
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ctx = ParallelContext.fake()
     engine = Engine(model, opt, sched, ctx, accumulate=accumulate, clip_norm=0.0, deepspeed=None)
-    stats = train_step(engine, micro, cfg, ctx, cast=None).read(ctx)
+    stats = train_step(engine, micro, cfg, ctx, amp_dtype=None).read(ctx)
     return stats, [p.detach().clone() for p in model.parameters()]
 
 

@@ -47,7 +47,8 @@ from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report, optimizer_state_bytes
 from tpe_train.run.exits import end_process
 from tpe_train.train.build import build_engine, build_optimizer, build_train_model
-from tpe_train.train.step import autocast_dtype, batch_loss, train_step
+from tpe_train.train.precision import autocast_dtype
+from tpe_train.train.step import batch_loss, train_step
 
 VOCAB = 64
 
@@ -150,11 +151,11 @@ def tp_check(kinds: list[str]) -> dict[str, Any]:
         sharded = engine_for(cfg, ctx, deepspeed_config(cfg, layout))
         torch.manual_seed(1)
         widths.clear()
-        stats = train_step(sharded, [b], cfg, ctx, cast=None).read(ctx)
+        stats = train_step(sharded, [b], cfg, ctx, amp_dtype=None).read(ctx)
         after = full_weights(sharded)
         plain = engine_for(cfg, ParallelContext.fake(), None)
         torch.manual_seed(1)
-        ref = train_step(plain, [b], cfg, ParallelContext.fake(), cast=None).read(ParallelContext.fake())
+        ref = train_step(plain, [b], cfg, ParallelContext.fake(), amp_dtype=None).read(ParallelContext.fake())
         out[name] = {
             "onednn_nodes": onednn_nodes(sharded, b),
             "ref_onednn_nodes": onednn_nodes(plain, b),
@@ -208,8 +209,8 @@ def tp_flex_check(kinds: list[str]) -> dict[str, Any]:
         ref_cfg = config(kind, extra=("model.position.shaw_values=false", "model.attention=explicit"))
         plain = engine_for(ref_cfg, ParallelContext.fake(), None)
         with torch.no_grad():
-            _, nll, ntok = batch_loss(sharded.forward, b, cfg, cast=None)
-            _, ref_nll, _ = batch_loss(plain.forward, b, ref_cfg, cast=None)
+            _, nll, ntok = batch_loss(sharded.forward, b, cfg, amp_dtype=None)
+            _, ref_nll, _ = batch_loss(plain.forward, b, ref_cfg, amp_dtype=None)
         out[kind] = {"tp_size": ctx.tp_size, "nll": float(nll) / ntok, "ref_nll": float(ref_nll) / ntok}
     return out
 

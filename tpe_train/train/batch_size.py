@@ -19,7 +19,8 @@ from tpe_train.parallel.batch import BatchPlan, estimated_micro_tokens, largest_
 from tpe_train.parallel.checkpointing import apply_activation_checkpointing
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.train.build import build_optimizer
-from tpe_train.train.step import autocast_dtype, batch_terms
+from tpe_train.train.precision import autocast_dtype
+from tpe_train.train.step import batch_terms
 
 
 def recorded_max_tokens(run_dir: RunDir) -> int | None:

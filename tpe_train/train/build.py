@@ -16,7 +16,7 @@ from tpe_train.parallel.checkpointing import apply_activation_checkpointing
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.plan import apply_tensor_parallel
-from tpe_train.train.step import inverse_sqrt
+from tpe_train.train.schedule import inverse_sqrt
 
 
 def build_train_model(cfg: Config, vocab_size: int, ctx: ParallelContext) -> Transformer:

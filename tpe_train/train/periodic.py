@@ -17,7 +17,7 @@ from tpe_train.data.batching import Batch
 from tpe_train.run.exits import EXIT_PREEMPTED
 from tpe_train.train import selection
 from tpe_train.train.cadence import Cadence
-from tpe_train.train.diagnostics import TrainingDiagnostics
+from tpe_train.train.position_logging import TrainingDiagnostics
 from tpe_train.train.scalars import log_line, write_scalars
 from tpe_train.train.startup import Run
 from tpe_train.train.step import StepResult, validate

@@ -35,8 +35,10 @@ from tpe_train.parallel.memory import MemoryReport, memory_report
 from tpe_train.run import logs
 from tpe_train.train import batch_size
 from tpe_train.train.build import build_engine, build_train_model
-from tpe_train.train.step import TokenTally, autocast_dtype, precision_warning, seed_everything
-from tpe_train.train.throughput import configure_cpu
+from tpe_train.train.cpu_setup import configure_cpu
+from tpe_train.train.precision import autocast_dtype, precision_warning
+from tpe_train.train.seeding import seed_dropout, seed_everything
+from tpe_train.train.step import TokenTally
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +106,7 @@ def start(asked: Config, layout: Layout, ctx: ParallelContext) -> Run:
     cfg, batch = batch_size.plan(asked, data, ctx, start_recorded=asked.train.resume != "never")
     seed_everything(cfg.train.seed)  # as if nothing ran before: a probe draws from the generators
     model = build_train_model(cfg, data.tokenizer.get_vocab_size(), ctx)
-    if ctx.dp_size > 1:
-        torch.manual_seed(cfg.train.seed + 7919 * ctx.dp_rank)  # dropout: one stream per data-parallel rank
+    seed_dropout(cfg.train.seed, ctx)
     ds_config = deepspeed_config(cfg, layout) if layout.deepspeed is not None else None
     engine = build_engine(model, cfg, ctx, ds_config)
     batches = TrainBatches(data, cfg.data, cfg.train.seed, ctx.dp_rank, ctx.dp_size)
