@@ -23,7 +23,7 @@ Rows are grouped by encoding: each group holds ``none`` and one encoding (one mo
 that model's rows) and interleaves their rows round-robin: every backend of ``--backends``, eager,
 and every backend of ``--compile-backends`` with ``train.compile``'s regional compilation (the first,
 untimed steps pay the compilation). Steps are forward + label-smoothed loss + backward + the trainer's
-fused Adam (``harness.trainer_optimizer``, every row, Hugging Face rows too), fp32
+AdamW and schedule (``harness.trainer_optimizer``, every row, Hugging Face rows too), fp32
 (or bf16 autocast with ``--bf16``), dropout as in the preset. Printed per row: target tokens/s, the
 median step, the step against ``none``'s row with the same backend and compilation in the same
 group, the step's memory (GPU: peak allocated; CPU: bytes of the tensors autograd saves for the
@@ -58,6 +58,7 @@ from harness import (
     PAD,
     SMOKE_SHAPE,
     Batch,
+    Optimization,
     PeakRow,
     TrainRow,
     build,
@@ -138,7 +139,7 @@ class Shared:
     """One model of a group and its optimizer, shared by its rows (they only differ in how they run)."""
 
     model: Transformer
-    opt: torch.optim.Optimizer
+    optimization: Optimization
     compiled: dict[str, Any] | None = None
 
     def compile(self) -> dict[str, Any]:
@@ -155,7 +156,7 @@ class BackendRow(TrainRow):
     def __init__(self, kind: str, backend: str, compiled: bool, shared: Shared, **kw: Any) -> None:
         self.kind, self.backend, self.compiled, self.shared = kind, backend, compiled, shared
         name = f"{kind}/{backend}{'+compile' if compiled else ''}"
-        super().__init__(name, shared.model, opt=shared.opt, memory=True, **kw)
+        super().__init__(name, shared.model, optimization=shared.optimization, memory=True, **kw)
 
     def before_step(self) -> None:
         model = self.shared.model
@@ -258,8 +259,9 @@ def hf_group(
     rows: list[TrainRow] = []
     for kind, hf in HF_MATCH.items():
         model = build(preset, kind, vocab, device)
-        common = {"batches": batches, "device": device, "dtype": dtype, "epsilon": eps}
-        rows.append(BackendRow(kind, "auto", False, Shared(model, trainer_optimizer(model)), **common))
+        common = {"batches": batches, "device": device, "train": preset.train, "dtype": dtype, "epsilon": eps}
+        shared = Shared(model, trainer_optimizer(model, preset.train))
+        rows.append(BackendRow(kind, "auto", False, shared, **common))
         peer = hf_model(hf, model_args(preset, kind, vocab))
         rows.append(TrainRow(f"{hf}/{attn_impl(peer)}", peer, memory=True, **common))
     sampler = peak_row(args, preset, vocab, device)
@@ -280,12 +282,13 @@ def train_group(
     common = {
         "batches": batches,
         "device": device,
+        "train": preset.train,
         "dtype": "bf16" if args.bf16 else "fp32",
         "epsilon": preset.train.label_smoothing,
     }
     for k in ("none", kind):
         model = build(preset, k, vocab, device)
-        shared = Shared(model, trainer_optimizer(model))
+        shared = Shared(model, trainer_optimizer(model, preset.train))
         for backend in args.backends:
             rows.append(BackendRow(k, backend, False, shared, **common))
         if args.compile_kinds is None or kind in args.compile_kinds:

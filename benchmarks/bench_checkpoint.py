@@ -113,6 +113,16 @@ class Position:
         pass
 
 
+def engine_of(cfg: Any, ctx: Any, deepspeed: dict[str, Any] | None) -> tuple[Any, int]:
+    """The trainer's engine (``tpe_train.train.build``) over the preset's model (seed 0), and the
+    model's parameter count (before ZeRO partitions it)."""
+    from tpe_train.train.build import build_engine
+
+    model = build(cfg, seed=0).train()
+    params = sum(p.numel() for p in model.parameters())
+    return build_engine(model, cfg, ctx, deepspeed), params
+
+
 def worker(out_json: Path, work: Path, preset: str, smoke: bool) -> None:
     from tokenizers import Tokenizer, models
 
@@ -121,30 +131,22 @@ def worker(out_json: Path, work: Path, preset: str, smoke: bool) -> None:
     from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
     from tpe_train.parallel.context import ParallelContext
     from tpe_train.parallel.deepspeed import deepspeed_config, resolve_layout
-    from tpe_train.parallel.engine import Engine
-    from tpe_train.train.step import inverse_sqrt, train_step
+    from tpe_train.train.step import train_step
 
     # one checkpoint kept, none averaged (the WMT presets average the last 5 or 20)
     overrides = ["train.threads=1", "eval.select=last", "eval.average_last=1", "train.keep_last=1",
-                 "train.clip_norm=0"]  # fmt: skip
+                 "train.clip_norm=0", "train.accumulate=1", "train.batch_tokens=0"]  # fmt: skip
     cfg = load_config(preset, [*overrides, *(SMOKE_SHAPE if smoke else [])])
     layout = resolve_layout(cfg)
     ctx = ParallelContext.from_env(layout.tp_size, deepspeed=True)
     torch.set_num_threads(1)
     vocab = cfg.data.vocab_size
-    model = build(cfg, seed=0).train()
-    params = sum(p.numel() for p in model.parameters())
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=cfg.train.adam_betas, eps=1e-9)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt(cfg.train.warmup_steps))
-    engine = Engine(
-        model, opt, sched, ctx, accumulate=1, clip_norm=0.0, deepspeed=deepspeed_config(cfg, layout)
-    )
-    del model, opt
+    engine, params = engine_of(cfg, ctx, deepspeed_config(cfg, layout))
     g = torch.Generator().manual_seed(ctx.rank)
     rows = [torch.randint(4, vocab, (12,), generator=g).tolist() for _ in range(4)]
     src, tgt = pad([[*r, EOS_ID] for r in rows]), pad([[*r, EOS_ID] for r in rows])
     batch = Batch(ids=torch.arange(4), src=src, tgt_in=pad(rows, prefix=BOS_ID), tgt_out=tgt)
-    train_step(engine, [batch], cfg, ctx, cast=None)  # Adam's moments exist from here on
+    train_step(engine, [batch], cfg, ctx, amp_dtype=None)  # Adam's moments exist from here on
     tok = Tokenizer(models.WordLevel({"<pad>": 0, "<unk>": 1}, unk_token="<unk>"))
     progress = Progress(step=1, tokens=0.0)
     result: dict[str, Any] = {

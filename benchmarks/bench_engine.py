@@ -63,7 +63,8 @@ from tpe_train.config import Config, load_config
 from tpe_train.data.batching import Batch
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
-from tpe_train.train.step import inverse_sqrt, train_step
+from tpe_train.train.build import build_engine, build_optimizer
+from tpe_train.train.step import train_step
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("deepspeed", "accelerate", "tpe_train", "torch", "C", "other")
@@ -129,12 +130,7 @@ def engine(cfg: Config, ctx: ParallelContext, stage: int | None, fused: bool = T
 
         AcceleratorState._reset_state(reset_partial_state=False)  # one accelerator per DeepSpeed row
         ds = deepspeed_config(cfg, DeepSpeedLayout(stage))  # type: ignore[arg-type]
-    train = cfg.train
-    opt = torch.optim.AdamW(
-        model.parameters(), lr=train.lr, betas=train.adam_betas, eps=train.adam_eps, fused=fused or ds is None
-    )
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, inverse_sqrt(train.warmup_steps))
-    return Engine(model, opt, sched, ctx, accumulate=1, clip_norm=1.0, deepspeed=ds)
+    return build_engine(model, cfg, ctx, ds, build_optimizer(model, cfg.train, fused=fused or ds is None))
 
 
 def package(filename: str) -> str:
@@ -169,7 +165,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     launch_environment(args.device)
     if args.threads:
         torch.set_num_threads(args.threads)
-    overrides = [f"train.bf16={str(args.bf16).lower()}", *(SMOKE_MODEL if args.smoke else [])]
+    steps = ["train.accumulate=1", "train.batch_tokens=0", "train.clip_norm=1.0"]  # one batch a step, clipped
+    overrides = [*steps, f"train.bf16={str(args.bf16).lower()}", *(SMOKE_MODEL if args.smoke else [])]
     cfg = load_config(args.preset, overrides)
     ctx = ParallelContext.from_env(1, deepspeed=True)
     device = ctx.device

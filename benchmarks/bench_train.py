@@ -34,8 +34,8 @@ What is measured
    gradient g^T x -- through PyTorch's kernel and through oneDNN (fp32) or widened (bf16), and
    which one ``train.cpu_gemm=auto`` takes on this processor.
 2. **Training step**: forward + label-smoothed loss (eps 0.1, ``label_smoothed_loss`` on the logits
-   for *every* model, HF ones included, never HF's ``labels=``) + backward + Adam step (fused, as
-   the trainer's AdamW without weight decay), dropout on,
+   for *every* model, HF ones included, never HF's ``labels=``) + backward + the trainer's
+   optimizer step (fused AdamW with the config's settings and lr schedule), dropout on,
    in fp32 and under ``torch.autocast("cpu", dtype=torch.bfloat16)`` around forward + loss (fp32
    master weights). Rows: every tpe_train encoding, plus Hugging Face models of the same shape built
    from a config with random weights (``peers.py``): MarianMT (sinusoidal) <-> ``sinusoidal``, BART (learned
@@ -46,7 +46,7 @@ What is measured
    ``vs HF`` = tokens/s of the row / tokens/s of its matching HF model (> 1: tpe_train faster),
    ``vs none`` = step time / step time of tpe ``none`` in the same dtype, MFU = model FLOP/s /
    the measured peak of the row's dtype. The process runs as the trainer does
-   (``tpe_train.train.throughput.configure_cpu``: ``train.cpu_gemm``, allocator), HF rows included.
+   (``tpe_train.train.cpu_setup.configure_cpu``: ``train.cpu_gemm``, allocator), HF rows included.
 3. **Model FLOPs**: ``tpe_train.train.throughput.forward_flops`` (matmul FLOPs, 2 per multiply-add, training =
    3 x forward, padded lengths; formula in that module's docstring). Norms, softmax, the loss,
    position-encoding extras and the optimizer are not counted, so all models of this shape do the
@@ -112,7 +112,7 @@ from tpe_train.config import Config
 from tpe_train.model import kernels
 from tpe_train.model.args import ModelArgs
 from tpe_train.positions import POSITIONS
-from tpe_train.train import throughput
+from tpe_train.train import cpu_setup, throughput
 
 EPSILON = 0.1
 BATCHES = Uniform()  # 4 batches of 128 sentences of 24..36 content tokens (the target adds EOS)
@@ -373,7 +373,7 @@ def run_training(
     device = torch.device(args.device)
     clock = time.thread_time if args.cpu_time else time.perf_counter
     train_rows = [
-        TrainRow(name, make_model(cfg, name), batches, device, dtype, EPSILON)
+        TrainRow(name, make_model(cfg, name), batches, device, cfg.train, dtype, EPSILON)
         for dtype in dtypes
         for name in names
         if not (args.no_hf_bf16 and dtype == "bf16" and name.startswith("hf-"))
@@ -385,7 +385,7 @@ def run_training(
     print()
     print_peak("during training (interleaved with the steps; used for MFU)", peak)
     print(
-        f"\ntraining step (fwd + label-smoothed loss + bwd + fused Adam), median of {args.steps}"
+        f"\ntraining step (fwd + label-smoothed loss + bwd + fused AdamW), median of {args.steps}"
         f" interleaved steps after {args.warmup} warm-up;\nvs HF = tok/s / tok/s of matching HF model"
         " (>1: tpe faster);"
         " vs none = step time / tpe none's (same dtype);\nMFU = model FLOP/s / the GEMM peak of the row's"
@@ -402,7 +402,7 @@ def main(argv: list[str] | None = None) -> None:
     device = torch.device(args.device)
     clock = time.thread_time if args.cpu_time else time.perf_counter
     torch.set_num_threads(args.threads)
-    throughput.configure_cpu(args.cpu_gemm, device)  # as the trainer: GEMM kernels, allocator
+    cpu_setup.configure_cpu(args.cpu_gemm, device)  # as the trainer: GEMM kernels, allocator
     started = time.perf_counter()
     cfg = bench_config(args.smoke)
     shape = model_args(cfg)

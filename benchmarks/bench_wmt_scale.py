@@ -227,10 +227,11 @@ def iterator_child(corpus: Path, store: Path, batches: int, steps: int, smoke: b
     """In a fresh process: start-up, memory and ms per batch of the iterator, then base-model steps."""
     import torch
 
-    from tpe_train.ckpt.export import build_model
     from tpe_train.config import load_config
+    from tpe_train.data.batching import model_args
     from tpe_train.data.corpus import TrainBatches
     from tpe_train.data.corpus import prepare as prepare_data
+    from tpe_train.model.build import build_model
 
     rss0 = resident()["VmRSS"]
     cfg = load_config(PRESET, [*overrides(corpus, store, 1), *(SMOKE_MODEL if smoke else [])])
@@ -243,10 +244,9 @@ def iterator_child(corpus: Path, store: Path, batches: int, steps: int, smoke: b
     interleave([iterator], 0, batches, torch.device("cpu"), "iterator", collect="never", quiet=True)
     rss = resident()["VmRSS"]
     torch.set_num_threads(2)
-    model = build_model(cfg, data.tokenizer)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4)
+    model = build_model(model_args(cfg.model, data.tokenizer.get_vocab_size()))
     step_batches = [Batch.of(b) for b in [first, *(next(it) for _ in range(steps))]]  # one warm-up
-    step = TrainRow("base", model, step_batches, torch.device("cpu"), opt=opt)
+    step = TrainRow("base", model, step_batches, torch.device("cpu"), cfg.train)
     interleave([step], 1, steps, torch.device("cpu"), "base step", collect="never", quiet=True)
     print(
         "RESULT "

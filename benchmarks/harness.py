@@ -14,7 +14,8 @@ The Hugging Face peers are in ``peers.py``, which imports this module (never the
   measured under the same machine load as the steps.
 - **Models and batches from a config**: ``build`` (``cfg.model.args``), ``bench_config`` (the shape of
   ``bench_train.py``), ``Uniform`` (random ids, uniform lengths) and ``length_batches`` (given lengths
-  cut as training cuts them); ``TrainRow`` times a training step of either kind of model.
+  cut as training cuts them); ``TrainRow`` times a training step of either kind of model with the
+  trainer's optimizer and schedule (``trainer_optimizer``: ``tpe_train.train.build``).
 - **Memory**: ``saved_bytes`` (what autograd keeps for the backward), ``resident`` and
   ``added_peak_rss`` (this process), ``tree_memory`` and ``run_sampled`` (a process tree's PSS).
 - **Output**: ``environment``, ``write_json``; ``run_checked``, ``accelerate_cmd``, ``tb_scalars`` for the
@@ -47,12 +48,15 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from tpe_train.config import Config, load_config
+from tpe_train.config import Config, TrainConfig, load_config
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID, token_batches
+from tpe_train.data.batching import model_args as model_args_of
 from tpe_train.model.args import ModelArgs
+from tpe_train.model.build import build_model
 from tpe_train.model.loss import label_smoothed_loss
 from tpe_train.model.transformer import Transformer
 from tpe_train.train import throughput
+from tpe_train.train.build import build_optimizer, build_schedule
 
 ROOT = Path(__file__).resolve().parents[1]
 PAD, BOS, EOS = PAD_ID, BOS_ID, EOS_ID
@@ -249,7 +253,7 @@ def model_args(cfg: Config, kind: str | None = None, vocab: int | None = None) -
     if kind is not None:  # validated again: an encoding may not fit the shape (rope, odd head width)
         fields = model.model_dump()
         model = type(model).model_validate({**fields, "position": {**fields["position"], "kind": kind}})
-    return model.args(vocab or cfg.data.vocab_size, PAD, BOS, EOS)
+    return model_args_of(model, vocab or cfg.data.vocab_size)
 
 
 def build(
@@ -260,8 +264,7 @@ def build(
     seed: int = SEED,
 ) -> Transformer:
     """The model the config describes (``model_args``), seeded, on ``device``."""
-    torch.manual_seed(seed)
-    return Transformer(model_args(cfg, kind, vocab)).to(device)
+    return build_model(model_args(cfg, kind, vocab), device, seed)
 
 
 @dataclass
@@ -377,16 +380,31 @@ def saved_bytes(device: torch.device) -> Iterator[dict[int, int]]:
         yield saved
 
 
-def trainer_optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    """The trainer's optimizer: fused Adam(W), no weight decay (the presets' ``train.weight_decay``)."""
-    return torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98), eps=1e-8, fused=True)
+@dataclass
+class Optimization:
+    """An optimizer and its learning-rate schedule, stepped together."""
+
+    opt: torch.optim.Optimizer
+    schedule: torch.optim.lr_scheduler.LRScheduler
+
+    def step(self) -> None:
+        self.opt.step()
+        self.schedule.step()
+
+
+def trainer_optimizer(model: nn.Module, train: TrainConfig) -> Optimization:
+    """The trainer's optimizer and schedule (``tpe_train.train.build``) over ``model``'s parameters, with
+    the ``train`` section's settings: fused AdamW, betas, eps, weight decay, inverse-sqrt warmup."""
+    opt = build_optimizer(model, train)
+    return Optimization(opt, build_schedule(opt, train))
 
 
 class TrainRow:
     """One training step of a model on its batches (cycled): forward (a tpe_train ``Transformer`` or a
     Hugging Face encoder-decoder), label-smoothed loss on the logits (the trainer's, HF rows included,
     never HF's ``labels=``) with the trainer's gradient factor, backward, optimizer step; bf16 autocast
-    around forward + loss for dtype bf16. ``opt``: default the trainer's (fused Adam, no weight decay).
+    around forward + loss for dtype bf16. ``train``: the config whose optimizer and schedule the step
+    takes (``trainer_optimizer``); ``optimization``: one already built (a model shared by rows).
     ``memory``: record each step's memory (GPU: peak allocated; CPU: ``saved_bytes``)."""
 
     def __init__(
@@ -395,16 +413,18 @@ class TrainRow:
         model: nn.Module,
         batches: Sequence[Batch],
         device: torch.device,
+        train: TrainConfig,
         dtype: str = "fp32",
         epsilon: float = 0.1,
-        opt: torch.optim.Optimizer | None = None,
+        optimization: Optimization | None = None,
         memory: bool = False,
     ) -> None:
         self.name, self.dtype, self.model, self.batches = name, dtype, model, list(batches)
         self.device, self.epsilon, self.record_memory = device, epsilon, memory
         self.model.to(device).train()
         self.hf = not isinstance(model, Transformer)
-        self.opt = opt if opt is not None else trainer_optimizer(model)
+        self.optimization = optimization if optimization is not None else trainer_optimizer(model, train)
+        self.opt = self.optimization.opt
         self.times: list[float] = []
         self.losses: list[float] = []
         self.memory: list[int] = []
@@ -438,7 +458,7 @@ class TrainRow:
             scale = 1.0 / b.ntok  # the gradient's factor, passed as the trainer passes it
             loss, _, ntok = label_smoothed_loss(logits, b.tgt_out, PAD, self.epsilon, scale)
         (loss * scale).backward()
-        self.opt.step()
+        self.optimization.step()
         self.losses.append(float(loss.detach()) / int(ntok))
         if self.record_memory:
             self.memory.append(torch.cuda.max_memory_allocated(self.device) if cuda else sum(saved.values()))

@@ -7,7 +7,7 @@
 
 The same model, batches, loss and optimizer as ``bench_train.py``'s training rows (``harness.TrainRow``
 on ``harness.BENCH_SHAPE`` and ``harness.Uniform`` batches),
-run as the trainer runs (``tpe_train.train.throughput.configure_cpu``). After ``--warmup`` steps, ``--steps``
+run as the trainer runs (``tpe_train.train.cpu_setup.configure_cpu``). After ``--warmup`` steps, ``--steps``
 steps run under ``torch.profiler``; printed:
 
 - the ops with the most self CPU time (their own time, not their children's), with calls and the
@@ -54,7 +54,7 @@ from harness import (
 from torch.profiler import ProfilerActivity, profile
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tpe_train.train import throughput
+from tpe_train.train import cpu_setup, throughput
 
 GEMM = ("aten::addmm", "aten::mm", "aten::bmm", "aten::baddbmm", "aten::_mkldnn_linear",
         "mkldnn::_linear_pointwise", "aten::mkldnn_linear_backward_weights", "aten::mkldnn_linear",
@@ -155,11 +155,11 @@ def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    throughput.configure_cpu("auto", torch.device("cpu"))
+    cpu_setup.configure_cpu("auto", torch.device("cpu"))
     cfg, uniform = bench_config(args.smoke), SMOKE_BATCHES if args.smoke else Uniform()
     cpu = torch.device("cpu")
     batches = uniform.batches(cfg.data.vocab_size, 0, cpu)
-    row = TrainRow(args.kind, build(cfg, args.kind), batches, cpu, args.dtype)
+    row = TrainRow(args.kind, build(cfg, args.kind), batches, cpu, cfg.train, args.dtype)
     for _ in range(args.warmup):
         row.step()
     if args.timer == "ops":

@@ -114,7 +114,7 @@ def test_compiled_training_step_gives_the_eager_losses() -> None:
                 tgt_in=pad([t[:-1] for t in tgt], prefix=BOS_ID),
                 tgt_out=pad(tgt),
             )
-            losses[compiled].append(train_step(engine, [b], cfg, ctx, cast=None).read(ctx)["loss"])
+            losses[compiled].append(train_step(engine, [b], cfg, ctx, amp_dtype=None).read(ctx)["loss"])
     assert losses[True][-1] < losses[True][0]  # it trains
     for eager, comp in zip(losses[False], losses[True], strict=True):
         assert abs(comp - eager) <= 1e-4 * abs(eager), (losses[False], losses[True])

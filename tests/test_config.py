@@ -157,3 +157,31 @@ def test_docs_config_reference_is_up_to_date() -> None:
 
     docs = Path(__file__).resolve().parent.parent / "docs" / "config.md"
     assert docs.read_text() == markdown_reference(), "regenerate: python -m tpe_train.config > docs/config.md"
+
+
+def test_the_model_sections_defaults_and_fields_are_the_models_own() -> None:
+    """Each default is written once: the model and position sections' defaults are ``ModelArgs``' and
+    ``PositionArgs``', and ``ModelConfig.args`` hands over every field those take."""
+    import dataclasses
+
+    from tpe_train.config.sections import MODEL_FIELDS, POSITION_FIELDS, ModelConfig
+    from tpe_train.model.args import ModelArgs
+    from tpe_train.positions import PositionArgs
+
+    derived = {"vocab_size", "pad_id", "bos_id", "eos_id", "encoder_position", "decoder_position"}
+    assert {f.name for f in dataclasses.fields(ModelArgs)} == {
+        *MODEL_FIELDS,
+        *derived,
+        "cross_position",
+        "position",
+    }
+    assert {f.name for f in dataclasses.fields(PositionArgs)} == {
+        *POSITION_FIELDS,
+        "d_model",
+        "n_heads",
+        "causal",
+    }
+    default = ModelArgs(vocab_size=100)
+    assert ModelConfig().args(100, 0, 1, 2) == dataclasses.replace(
+        default, position=default.position_args(False)
+    )

@@ -16,10 +16,12 @@ import pytest
 import torch
 from support.models import tiny_model
 
-from tpe_train.ckpt.export import build_model, save_export
+from tpe_train.ckpt.export import save_export
 from tpe_train.config import load_config
+from tpe_train.data.batching import model_args
 from tpe_train.data.tokenizer import train_tokenizer
 from tpe_train.evaluation.cli import eval_main, translate_main
+from tpe_train.model.build import build_model
 from tpe_train.model.ensemble import Ensemble, log_mean_exp
 from tpe_train.model.generate import beam_search_nbest, greedy, length_penalty
 from tpe_train.model.transformer import Transformer
@@ -154,7 +156,8 @@ def exports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     ):
         cfg = load_config("demo", [*small, *extra])
         torch.manual_seed(seed)
-        out[name] = save_export(folder / name, build_model(cfg, vocab), cfg, vocab, step=0)
+        model = build_model(model_args(cfg.model, vocab.get_vocab_size()))
+        out[name] = save_export(folder / name, model, cfg, vocab, step=0)
     (folder / "test.src").write_text("".join(s + "\n" for s in SOURCES))
     (folder / "test.ref").write_text("".join(s + "\n" for s in SOURCES))
     return out

@@ -23,13 +23,14 @@ from tpe_train.ckpt.ct2 import (
     pieces,
     translate,
 )
-from tpe_train.ckpt.export import build_model, load_export, save_export
+from tpe_train.ckpt.export import load_export, save_export
 from tpe_train.ckpt.store import CheckpointError
 from tpe_train.config import Config, load_config
-from tpe_train.data.batching import pad
+from tpe_train.data.batching import model_args, pad
 from tpe_train.data.synthetic import generate
 from tpe_train.data.tokenizer import encode, train_tokenizer
 from tpe_train.evaluation.decoding import DecodeOptions, decode_sentences
+from tpe_train.model.build import build_model
 from tpe_train.model.transformer import Transformer
 from tpe_train.positions.relative import alibi_slopes, t5_bucket
 
@@ -158,7 +159,8 @@ def test_an_export_read_back_exports_and_writes_its_files(
     tok, pairs = corpus
     shape = ["model.d_model=32", "model.n_heads=4", "model.ffn_dim=64", "model.encoder_layers=2"]
     small = load_config(None, [*shape, "model.decoder_layers=2"])
-    save_export(tmp_path / "export", build_model(small, tok), small, tok, 1)
+    built = build_model(model_args(small.model, tok.get_vocab_size()))
+    save_export(tmp_path / "export", built, small, tok, 1)
     model, read_cfg, read_tok = load_export(tmp_path / "export")
     out = tmp_path / "ct2"
     export_ctranslate2(model, read_cfg, read_tok, out, "int8")

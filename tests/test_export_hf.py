@@ -16,12 +16,13 @@ from tokenizers import Tokenizer
 
 from tpe_train.ckpt import hf as hf_export
 from tpe_train.ckpt.cli import main
-from tpe_train.ckpt.export import build_model, load_export, save_export
+from tpe_train.ckpt.export import load_export, save_export
 from tpe_train.ckpt.store import CheckpointError
 from tpe_train.config import load_config
-from tpe_train.data.batching import EOS_ID, pad
+from tpe_train.data.batching import EOS_ID, model_args, pad
 from tpe_train.data.tokenizer import encode, train_tokenizer
 from tpe_train.evaluation.decoding import DecodeOptions, decode_sentences, token_batches
+from tpe_train.model.build import build_model
 
 SENTENCES = ["the small cat sees a big dog .", "a man rides", "two dogs play in the snow .", "yes"]
 # a small demo model, trained in this process for a few hundred steps (a run directory with one checkpoint)
@@ -202,7 +203,8 @@ def test_the_command_refuses_what_it_cannot_export(
 ) -> None:
     cfg = load_config("demo", ["model.position.kind=shaw", "model.d_model=32", "model.ffn_dim=64"])
     tok = train_tokenizer(SENTENCES * 5, 40)
-    src = save_export(tmp_path / "shaw", build_model(cfg, tok), cfg, tok, step=3)
+    model = build_model(model_args(cfg.model, tok.get_vocab_size()))
+    src = save_export(tmp_path / "shaw", model, cfg, tok, step=3)
     assert main(["export", str(src), "--out", str(tmp_path / "out"), "--format", "hf"]) == 2
     assert "model.position.kind=shaw cannot be exported to transformers" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()

@@ -18,7 +18,8 @@ from tpe_train.config import load_config
 from tpe_train.data.batching import Batch
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
-from tpe_train.train.step import StepResult, inverse_sqrt, train_step
+from tpe_train.train.schedule import inverse_sqrt
+from tpe_train.train.step import StepResult, train_step
 
 CTX = ParallelContext.fake()
 CFG = load_config("demo", ["model.dropout=0"])
@@ -51,12 +52,12 @@ def test_an_overflow_skips_the_update_and_halves_the_scale() -> None:
     they were and halves the scale, until the scale fits; then the weights move."""
     eng = engine(loss_scale=2.0**40)
     before = {k: v.clone() for k, v in eng.module.state_dict().items()}
-    result = train_step(eng, batches(1), CFG, CTX, cast=torch.float16)
+    result = train_step(eng, batches(1), CFG, CTX, amp_dtype=torch.float16)
     assert not torch.isfinite(torch.as_tensor(result.grad_norm))
     assert all(torch.equal(v, before[k]) for k, v in eng.module.state_dict().items())  # bitwise
     assert all(int(s["step"]) == 0 for s in eng.optimizer.state.values())
     assert eng.loss_scale_state() == {"cur_scale": 2.0**39, "growth_tracker": 0.0}
-    figures = [train_step(eng, [b], CFG, CTX, cast=torch.float16).read(CTX) for b in batches(40)]
+    figures = [train_step(eng, [b], CFG, CTX, amp_dtype=torch.float16).read(CTX) for b in batches(40)]
     state = eng.loss_scale_state()
     assert state is not None and state["cur_scale"] < 2.0**39
     skipped = sum(not torch.isfinite(torch.tensor(f["grad_norm"])) for f in figures)
@@ -67,7 +68,7 @@ def test_an_overflow_skips_the_update_and_halves_the_scale() -> None:
 def test_the_scale_doubles_after_a_window_without_overflow() -> None:
     eng = engine(loss_scale=2.0**8, window=3)
     for b in batches(7):
-        train_step(eng, [b], CFG, CTX, cast=torch.float16)
+        train_step(eng, [b], CFG, CTX, amp_dtype=torch.float16)
     assert eng.loss_scale_state() == {"cur_scale": 2.0**10, "growth_tracker": 1.0}  # doubled at 3 and 6
 
 
@@ -78,7 +79,7 @@ def test_fp16_training_follows_fp32() -> None:
     figures = {}
     for dtype, scale in ((None, None), (torch.float16, 2.0**12)):
         eng = engine(loss_scale=scale)
-        figures[dtype] = [train_step(eng, [b], CFG, CTX, cast=dtype).read(CTX) for b in batches(20)]
+        figures[dtype] = [train_step(eng, [b], CFG, CTX, amp_dtype=dtype).read(CTX) for b in batches(20)]
     fp32, fp16 = figures[None], figures[torch.float16]
     assert fp32[-1]["loss"] < 0.9 * fp32[0]["loss"]  # it trains
     for key in ("loss", "grad_norm"):
@@ -98,7 +99,7 @@ def test_fp16_steps_read_nothing_back(monkeypatch: pytest.MonkeyPatch) -> None:
         eng = engine(loss_scale=2.0**16)
         result: StepResult | None = None
         for b in fake:
-            result = train_step(eng, [b], CFG, CTX, cast=torch.float16)
+            result = train_step(eng, [b], CFG, CTX, amp_dtype=torch.float16)
         assert result is not None
         with pytest.raises(DataDependentOutputException):
             result.read(CTX)
@@ -108,7 +109,7 @@ def test_the_loss_scale_is_restored_from_a_checkpoint_state() -> None:
     """What a checkpoint keeps of the scale (DeepSpeed's keys, torch's growth tracker) restores it."""
     eng = engine(loss_scale=2.0**8, window=3)
     for b in batches(4):
-        train_step(eng, [b], CFG, CTX, cast=torch.float16)
+        train_step(eng, [b], CFG, CTX, amp_dtype=torch.float16)
     state = eng.loss_scale_state()
     assert state == {"cur_scale": 2.0**9, "growth_tracker": 1.0}
     other = engine(loss_scale=2.0**16, window=3)
@@ -137,7 +138,7 @@ def test_bf16_on_a_gpu_without_bf16_units_is_warned_of(
     warned: bool,
 ) -> None:
     """The GPU's capability is the one thing a CPU cannot have: torch's query is replaced here."""
-    from tpe_train.train.step import precision_warning
+    from tpe_train.train.precision import precision_warning
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Tesla V100-SXM2-32GB")

@@ -131,7 +131,7 @@ def test_a_training_step_of_every_encoding_runs_under_fake_tensors(
             mode.from_tensor(tgt_in),
             mode.from_tensor(tgt),
         )
-        loss, nll, ntok = batch_terms(model, fake, _Cfg(), cast=torch.bfloat16)  # type: ignore[arg-type]
+        loss, nll, ntok = batch_terms(model, fake, _Cfg(), amp_dtype=torch.bfloat16)  # type: ignore[arg-type]
         (loss / ntok).backward()
         grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None for g in grads[:3])
@@ -157,7 +157,8 @@ def test_a_training_step_with_the_loss_in_chunks_runs_under_fake_tensors(
         torch.manual_seed(0)
         model = tiny_model(kind).train()
         ids, fsrc, fin, fout = (mode.from_tensor(t) for t in (torch.arange(3), src, tgt_in, tgt))
-        loss, nll, ntok = batch_terms(model, Batch(ids, fsrc, fin, fout), _ChunkedCfg(), cast=torch.bfloat16)  # type: ignore[arg-type]
+        fake = Batch(ids, fsrc, fin, fout)
+        loss, nll, ntok = batch_terms(model, fake, _ChunkedCfg(), amp_dtype=torch.bfloat16)  # type: ignore[arg-type]
         (loss / ntok).backward()
         grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None for g in grads) and model.embed.weight.grad is not None
@@ -181,11 +182,11 @@ def test_a_validation_pass_reads_nothing_back_per_batch() -> None:
         batches.append(Batch(torch.arange(3), src, tgt_in, tgt))
     with FakeTensorMode() as mode:
         fake = [Batch(*(mode.from_tensor(t) for t in (b.ids, b.src, b.tgt_in, b.tgt_out))) for b in batches]
-        nll, ntok = loss_sums(tiny_model("t5"), iter(fake), _Cfg(), cast=None)  # type: ignore[arg-type]
+        nll, ntok = loss_sums(tiny_model("t5"), iter(fake), _Cfg(), amp_dtype=None)  # type: ignore[arg-type]
     assert nll.shape == () and ntok.shape == ()
     with torch.no_grad():
-        nll, ntok = loss_sums(model, iter(batches), _Cfg(), cast=None)  # type: ignore[arg-type]
-        each = [batch_terms(model, b, _Cfg(), cast=None) for b in batches]  # type: ignore[arg-type]
+        nll, ntok = loss_sums(model, iter(batches), _Cfg(), amp_dtype=None)  # type: ignore[arg-type]
+        each = [batch_terms(model, b, _Cfg(), amp_dtype=None) for b in batches]  # type: ignore[arg-type]
     assert nll.dtype == torch.float64
     assert float(nll) == pytest.approx(sum(float(e[1]) for e in each), rel=1e-12)
     assert int(ntok) == sum(int(e[2]) for e in each) > 0

@@ -24,7 +24,8 @@ from tpe_train.data.batching import Batch
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
 from tpe_train.train import step as step_module
-from tpe_train.train.step import StepResult, TokenTally, inverse_sqrt, train_step
+from tpe_train.train.schedule import inverse_sqrt
+from tpe_train.train.step import StepResult, TokenTally, train_step
 
 
 @pytest.mark.parametrize("chunk", [0, 7])
@@ -45,7 +46,7 @@ def test_optimizer_steps_read_nothing_back_until_their_figures_are_read(chunk: i
         engine = Engine(model, opt, sched, ctx, accumulate=2, clip_norm=1.0, deepspeed=None)
         tally = TokenTally()
         for micro in batches:
-            result = train_step(engine, micro, cfg, ctx, cast=None)
+            result = train_step(engine, micro, cfg, ctx, amp_dtype=None)
             tally.add(result.tokens)
         return result, tally
 

@@ -184,7 +184,7 @@ def losses_of_20_steps(cpu_gemm: str, bf16: bool = False) -> list[float]:
     ctx = ParallelContext.fake()
     engine = Engine(model, opt, sched, ctx, accumulate=1, clip_norm=1.0, deepspeed=None)
     return [
-        train_step(engine, [b], cfg, ctx, cast=torch.bfloat16 if bf16 else None).read(ctx)["loss"]
+        train_step(engine, [b], cfg, ctx, amp_dtype=torch.bfloat16 if bf16 else None).read(ctx)["loss"]
         for b in tiny_batches(20)
     ]
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 from support.models import tiny_model
 
@@ -10,7 +13,8 @@ from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
 from tpe_train.train.cadence import Cadence
-from tpe_train.train.step import inverse_sqrt, train_step
+from tpe_train.train.schedule import inverse_sqrt
+from tpe_train.train.step import train_step
 
 
 def batch(rows: list[list[int]]) -> Batch:
@@ -32,7 +36,7 @@ def one_step(micro: list[Batch], accumulate: int) -> tuple[dict[str, float], lis
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
     ctx = ParallelContext.fake()
     engine = Engine(model, opt, sched, ctx, accumulate=accumulate, clip_norm=0.0, deepspeed=None)
-    stats = train_step(engine, micro, cfg, ctx, cast=None).read(ctx)
+    stats = train_step(engine, micro, cfg, ctx, amp_dtype=None).read(ctx)
     return stats, [p.detach().clone() for p in model.parameters()]
 
 
@@ -66,3 +70,39 @@ def test_the_loop_logs_validates_and_saves_on_its_cadence_and_always_at_the_last
     assert cadence.should_save(2, stopping=True) and cadence.should_save(2, new_best=True)
     never = Cadence.of(load_config("demo", ["train.max_steps=10", "train.save_every=0"]).train)
     assert [s for s in steps if never.should_save(s)] == [10]  # save_every=0: only at the end
+
+
+TINY_RUN = [
+    "model.d_model=16", "model.n_heads=2", "model.ffn_dim=32", "model.encoder_layers=1",
+    "model.decoder_layers=1", "data.vocab_size=80", "data.synthetic.train_size=100",
+    "data.synthetic.valid_size=8", "data.synthetic.test_size=4", "data.synthetic.probe_size=2",
+    "data.synthetic.long_size=2", "data.max_tokens=256", "train.max_steps=4", "train.log_every=2",
+    "train.valid_every=100", "train.valid_bleu_size=0", "train.progress=false", "train.threads=1",
+    "train.peak_gflops=1", "eval.at_end=false",
+]  # fmt: skip
+
+
+def test_quiet_keeps_the_terminal_to_warnings_and_the_run_directory_keeps_the_whole_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``tpe-train --quiet``: no progress lines on the terminal, every one of them in ``train.log``;
+    without it, the same lines on stdout, each as ``tpe-train: ...``."""
+    from tpe_train.run import logs
+    from tpe_train.train.cli import main
+
+    monkeypatch.setenv("TPE_DATA_CACHE", str(tmp_path / "data"))
+    monkeypatch.delenv("RANK", raising=False)
+    try:
+        assert main(["--quiet", *TINY_RUN, f"train.run_dir={tmp_path / 'quiet'}"]) == 0
+        quiet = capsys.readouterr().out
+        assert main([*TINY_RUN, f"train.run_dir={tmp_path / 'loud'}"]) == 0
+        loud = capsys.readouterr().out
+    finally:
+        logs.configure("tpe-train")
+    assert "step 2/4 | loss" not in quiet and "memory rank 0" not in quiet
+    assert "checkpoint: " in quiet  # the command's result: the export's path
+    logged = (tmp_path / "quiet" / "train.log").read_text()
+    assert "rank 0 INFO tpe_train.train.periodic: step 2/4 | loss" in logged and "memory rank 0" in logged
+    lines = [line for line in loud.splitlines() if line.startswith("tpe-train: step ") and "| loss" in line]
+    assert [line.split(" | ")[0] for line in lines] == ["tpe-train: step 2/4", "tpe-train: step 4/4"]
+    assert "tpe-train: checkpoint " in loud

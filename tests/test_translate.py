@@ -15,11 +15,13 @@ import pytest
 from sacrebleu.metrics import BLEU
 from sacrebleu.significance import PairedTest
 
-from tpe_train.ckpt.export import build_model, load_export, save_export
+from tpe_train.ckpt.export import load_export, save_export
+from tpe_train.data.batching import model_args
 from tpe_train.evaluation.cli import eval_main, translate_main
 from tpe_train.evaluation.decoding import read_lines, token_batches
 from tpe_train.evaluation.evaluate import EvalFiles, TestSet, concatenated, config_sets
 from tpe_train.evaluation.metrics import paired_bootstrap
+from tpe_train.model.build import build_model
 
 # The demo preset at a small size, learned positions of 48 rows (so a long line is too long for it).
 TINY = [
@@ -264,7 +266,7 @@ def test_paired_bootstrap_tells_positions_from_none_and_a_model_from_itself(
     ckpt, files = run_dir / "checkpoint", ["--src", str(test_files[0]), "--ref", str(test_files[1])]
     model, cfg, tok = load_export(ckpt)
     cfg.model.position.kind = "none"  # the same weights, without their position table
-    without = build_model(cfg, tok)
+    without = build_model(model_args(cfg.model, tok.get_vocab_size()))
     weights = {k: v for k, v in model.state_dict().items() if ".positions." not in k}
     without.load_state_dict(weights)
     save_export(tmp_path / "nopos", without, cfg, tok, step=300)

@@ -38,18 +38,19 @@ import torch.distributed as dist
 from torch import Tensor
 
 from tpe_train.config import Config, load_config
-from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
+from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, model_args, pad
+from tpe_train.model.build import build_model
 from tpe_train.model.kernels import set_cpu_gemm
 from tpe_train.parallel import vocab
-from tpe_train.parallel.checkpointing import apply_activation_checkpointing
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.deepspeed import ProcessLayout, deepspeed_config, resolve_layout
 from tpe_train.parallel.engine import Engine, torch_optimizer
 from tpe_train.parallel.memory import memory_report
-from tpe_train.parallel.plan import apply_tensor_parallel, split_dim
+from tpe_train.parallel.plan import split_dim
 from tpe_train.run.exits import end_process
-from tpe_train.train.loop import engine_options
-from tpe_train.train.step import autocast_dtype, batch_loss, train_step
+from tpe_train.train.build import build_engine, build_optimizer, build_train_model
+from tpe_train.train.precision import autocast_dtype
+from tpe_train.train.step import batch_loss, train_step
 
 VOCAB = 64
 
@@ -78,6 +79,10 @@ def config(
             "train.clip_norm=1000",  # clipping on, never binding: the norm is computed and reported
             "train.label_smoothing=0.1",
             "train.lr=1e-4",  # Adam moves every parameter by about lr per step: 5e-4 in 5 steps
+            # eps 1e-6, not the paper's 1e-9: some gradients are zero in exact arithmetic (key biases:
+            # softmax ignores a constant added to every logit) and are rounding noise of ~1e-10 whose
+            # sign depends on the summation order; Adam with eps 1e-9 turns that noise into full +-lr steps.
+            "train.adam_eps=1e-6",
             f"train.cpu_gemm={cpu_gemm}",
             *extra,
         ],
@@ -85,10 +90,7 @@ def config(
 
 
 def model_for(cfg: Config) -> torch.nn.Module:
-    from tpe_train.model.transformer import Transformer
-
-    torch.manual_seed(0)
-    return Transformer(cfg.model.args(VOCAB, 0, BOS_ID, EOS_ID))
+    return build_model(model_args(cfg.model, VOCAB), seed=0)
 
 
 def batch(seed: int, rows: int = 4) -> Batch:
@@ -110,18 +112,12 @@ def engine_for(cfg: Config, ctx: ParallelContext, ds: dict[str, Any] | None) -> 
     if ds is not None:  # one Accelerator per DeepSpeed engine built in this process
         AcceleratorState._reset_state(True)
         GradientState._reset_state()
-    model = model_for(cfg)
-    apply_tensor_parallel(model, ctx)
-    model.train()
-    apply_activation_checkpointing(model, cfg.train.activation_checkpointing)  # none: nothing
-    if cfg.train.compile:
-        model.compile_layers()
-    # eps 1e-6, not the paper's 1e-9: some gradients are zero in exact arithmetic (key biases:
-    # softmax ignores a constant added to every logit) and are rounding noise of ~1e-10 whose sign
-    # depends on the summation order; Adam with eps 1e-9 turns that noise into full +-lr steps.
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr, betas=(0.9, 0.98), eps=1e-6, fused=True)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
-    return Engine(model, opt, sched, ctx, **engine_options(cfg, ds))  # as the trainer builds it
+    torch.manual_seed(0)  # the weights of ``model_for``
+    model = build_train_model(cfg, VOCAB, ctx)
+    # The trainer's optimizer (train.adam_eps 1e-6 in ``config``) at a constant lr: each step moves the
+    # parameters by about lr, which the tests' thresholds count on.
+    opt = build_optimizer(model, cfg.train)
+    return build_engine(model, cfg, ctx, ds, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0))
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -157,11 +153,11 @@ def tp_check(kinds: list[str]) -> dict[str, Any]:
         sharded = engine_for(cfg, ctx, deepspeed_config(cfg, layout))
         torch.manual_seed(1)
         widths.clear()
-        stats = train_step(sharded, [b], cfg, ctx, cast=None).read(ctx)
+        stats = train_step(sharded, [b], cfg, ctx, amp_dtype=None).read(ctx)
         after = full_weights(sharded)
         plain = engine_for(cfg, ParallelContext.fake(), None)
         torch.manual_seed(1)
-        ref = train_step(plain, [b], cfg, ParallelContext.fake(), cast=None).read(ParallelContext.fake())
+        ref = train_step(plain, [b], cfg, ParallelContext.fake(), amp_dtype=None).read(ParallelContext.fake())
         out[name] = {
             "onednn_nodes": onednn_nodes(sharded, b),
             "ref_onednn_nodes": onednn_nodes(plain, b),
@@ -215,8 +211,8 @@ def tp_flex_check(kinds: list[str]) -> dict[str, Any]:
         ref_cfg = config(kind, extra=("model.position.shaw_values=false", "model.attention=explicit"))
         plain = engine_for(ref_cfg, ParallelContext.fake(), None)
         with torch.no_grad():
-            _, nll, ntok = batch_loss(sharded.forward, b, cfg, cast=None)
-            _, ref_nll, _ = batch_loss(plain.forward, b, ref_cfg, cast=None)
+            _, nll, ntok = batch_loss(sharded.forward, b, cfg, amp_dtype=None)
+            _, ref_nll, _ = batch_loss(plain.forward, b, ref_cfg, amp_dtype=None)
         out[kind] = {"tp_size": ctx.tp_size, "nll": float(nll) / ntok, "ref_nll": float(ref_nll) / ntok}
     return out
 

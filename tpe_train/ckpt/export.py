@@ -8,6 +8,7 @@ interrupted export never leaves a half-written directory where a reader looks.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,11 +23,14 @@ from tpe_train.ckpt.rundir import CONFIG, EVAL, TOKENIZER, RunDir
 from tpe_train.ckpt.shards import read_index, read_tensor, write_safetensors
 from tpe_train.ckpt.store import TRAINER, CheckpointError, entries, sha256, verify
 from tpe_train.config import Config, ConfigError, validate
-from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
+from tpe_train.data.batching import model_args
 from tpe_train.data.tokenizer import vocab_hash
+from tpe_train.model.build import build_model
 from tpe_train.model.transformer import Transformer
 from tpe_train.run import members, readers
 from tpe_train.run.outputs import check_output, files_of, written_directory
+
+log = logging.getLogger(__name__)
 
 #: An export's files besides ``CONFIG`` and ``TOKENIZER``: the weights, and hashes and step.
 WEIGHTS, META = "model.safetensors", "meta.json"
@@ -46,11 +50,6 @@ def legacy_export(path: Path) -> bool:
 def check_export_out(out: Path, command: str, sources: list[Path] | tuple[Path, ...] = ()) -> None:
     """Refuse an ``out`` that a native export may not write or replace (before any long work)."""
     check_output(out, command, EXPORT, sources, legacy_export, RunDir.what)
-
-
-def build_model(cfg: Config, tok: Tokenizer) -> Transformer:
-    """The model a config describes, over the tokenizer's vocabulary."""
-    return Transformer(cfg.model.args(tok.get_vocab_size(), PAD_ID, BOS_ID, EOS_ID))
 
 
 def write_export(
@@ -138,7 +137,7 @@ def _load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
             f"{directory / TOKENIZER} does not match the vocabulary the weights were trained "
             "with (hash differs); restore the checkpoint's own tokenizer.json"
         )
-    model = build_model(cfg, tok)
+    model = build_model(model_args(cfg.model, tok.get_vocab_size()))
     state = load_file(str(members.check_file(directory, WEIGHTS, error=CheckpointError)))
     result = model.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
@@ -173,7 +172,10 @@ def export_mean(sources: list[Path], out: Path, command: str = "tpe-train") -> P
     first = sources[0]
     cfg, tok = read_setup(first)
     with torch.device("meta"):
-        shapes = {name: tuple(p.shape) for name, p in build_model(cfg, tok).named_parameters()}
+        shapes = {
+            name: tuple(p.shape)
+            for name, p in build_model(model_args(cfg.model, tok.get_vocab_size())).named_parameters()
+        }
     indexes = []
     for path in sources:
         index = read_index(path)
@@ -207,12 +209,13 @@ def average_last(cfg: Config, run_dir: RunDir) -> tuple[Transformer, dict[str, A
     n = cfg.eval.average_last
     chosen = [e for e in entries(run_dir.checkpoints) if e.complete][-n:]
     if len(chosen) < n:
-        print(f"tpe-train: eval.average_last={n}, but the run has {len(chosen)} complete checkpoints; "
-              "averaging those")  # fmt: skip
+        log.warning(
+            "eval.average_last=%d, but the run has %d complete checkpoints; averaging those", n, len(chosen)
+        )
     with readers.reading(run_dir.checkpoints):
         export = export_mean([e.path for e in chosen], run_dir.averaged(n))
     names = [e.path.name for e in chosen]
-    print(f"tpe-train: final model = mean of {', '.join(names)} -> {export}")
+    log.info("final model = mean of %s -> %s", ", ".join(names), export)
     model, _, _ = load_export(export)
     return model, {"checkpoints": names, "export": str(export)}
 

@@ -6,6 +6,7 @@
       deepspeed.json            the generated DeepSpeed config (DeepSpeed runs)
       memory.json               every rank's start-up memory report
       batch.json                the resolved batch; data.max_tokens=auto's probed micro-batch
+      train.log                 rank 0's log of every start of the run (DEBUG and up, with times)
       tb/                       TensorBoard events
       samples/rank-<r>.jsonl    the pair ids of every batch of data-parallel rank r (train.log_samples)
       checkpoints/              training checkpoints: step-<8 digits>/ and latest (ckpt.store)
@@ -58,6 +59,11 @@ class RunDir:
     def batch(self) -> Path:
         """The resolved batch (micro-batch, accumulation, data.max_tokens=auto's probe)."""
         return self.path / "batch.json"
+
+    @property
+    def log(self) -> Path:
+        """Rank 0's log of the run (``tpe_train.run.logs.add_file``), appended by every start."""
+        return self.path / "train.log"
 
     @property
     def tensorboard(self) -> Path:

@@ -114,6 +114,12 @@ def rng_state() -> dict[str, Any]:
     return out
 
 
+def seed_rank_streams(seed: int, dp_rank: int, step: int = 0) -> None:
+    """torch's generator for data-parallel rank ``dp_rank`` from ``step`` on: one reproducible stream per
+    rank (dropout), at the start of a run (step 0) and on resuming in another layout."""
+    torch.manual_seed(seed + 1_000_003 * step + 7919 * dp_rank)
+
+
 def set_rng_state(state: dict[str, Any]) -> None:
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
@@ -334,7 +340,7 @@ class Checkpointer:
         if same_layout:
             set_rng_state(rank_state["rng"])
         else:  # another layout: fresh, reproducible streams per data-parallel rank
-            torch.manual_seed(cfg.train.seed + 1_000_003 * progress.step + 7919 * ctx.dp_rank)
+            seed_rank_streams(cfg.train.seed, ctx.dp_rank, progress.step)
         return progress
 
 

@@ -27,7 +27,6 @@ import logging
 import os
 import re
 import shutil
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -262,7 +261,7 @@ def resume_choice(resume: str, run_dir: Path) -> Path | None:
     root = RunDir(run_dir).checkpoints
     entry, skipped = latest_complete(root)
     for bad in skipped:
-        print(f"tpe-train: skipping incomplete checkpoint {bad.path} ({bad.reason})")
+        log.info("skipping incomplete checkpoint %s (%s)", bad.path, bad.reason)
     if resume == "latest" or entry is None:
         return entry.path if entry is not None else None
     older = [e for e in entries(root) if e.complete and e.step < entry.step]
@@ -287,11 +286,12 @@ def _move_aside(path: Path, why: str, chosen: str, free: bool) -> None:
     """Rename a checkpoint that fails its hashes ``step-<N>.corrupt`` (``free``: no reader holds the
     checkpoints; otherwise it stays, and the next resume verifies it again)."""
     if not free:
-        print(
-            f"tpe-train: warning: skipping checkpoint {path.name}: {why}. It stays in place while another "
-            f"command reads this run's checkpoints; resuming from {chosen}, the newest that verifies",
-            file=sys.stderr,
-            flush=True,
+        log.warning(
+            "skipping checkpoint %s: %s. It stays in place while another command reads this run's "
+            "checkpoints; resuming from %s, the newest that verifies",
+            path.name,
+            why,
+            chosen,
         )
         return
     aside = path.with_name(f"{path.name}.corrupt")
@@ -300,12 +300,13 @@ def _move_aside(path: Path, why: str, chosen: str, free: bool) -> None:
         n += 1
         aside = path.with_name(f"{path.name}.corrupt{n}")
     path.rename(aside)
-    print(
-        f"tpe-train: warning: skipping checkpoint {path.name}: {why}. Moved aside to {aside} (inspect it, "
-        f"then delete it); resuming from {chosen}, the newest that verifies (train.resume=latest would stop "
-        "instead)",
-        file=sys.stderr,
-        flush=True,
+    log.warning(
+        "skipping checkpoint %s: %s. Moved aside to %s (inspect it, then delete it); resuming from %s, the "
+        "newest that verifies (train.resume=latest would stop instead)",
+        path.name,
+        why,
+        aside,
+        chosen,
     )
 
 

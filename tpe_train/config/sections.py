@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -16,6 +17,20 @@ from tpe_train.positions import POSITIONS, PositionArgs
 from tpe_train.positions.rotary import check_head_dim
 
 
+def _defaults(cls: Any) -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(cls) if f.default is not dataclasses.MISSING}
+
+
+#: The defaults of the model's and the encodings' own arguments: the model and position sections take
+#: theirs from these, so each default is written once (in ``model/args.py`` and ``positions/base.py``).
+MODEL_DEFAULTS = _defaults(ModelArgs)
+POSITION_DEFAULTS = _defaults(PositionArgs)
+#: Fields copied as they are from the sections into ``ModelArgs`` / ``PositionArgs``.
+MODEL_FIELDS = ("d_model", "n_heads", "ffn_dim", "encoder_layers", "decoder_layers", "dropout",
+                "attention_dropout", "activation_dropout", "pre_norm", "attention")  # fmt: skip
+POSITION_FIELDS = ("max_positions", "shaw_clip", "shaw_values", "t5_buckets", "t5_max_distance", "rope_base")
+
+
 class ConfigError(ValueError):
     """A configuration problem, with a message that names the key and the fix."""
 
@@ -26,26 +41,35 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
 
+_ONE_OF_POSITIONS = "one of " + ", ".join(POSITIONS.names())
+
+
 class PositionConfig(Section):
-    kind: Text = Field("sinusoidal", json_schema_extra={"takes": "one of " + ", ".join(POSITIONS.names())})
+    kind: Text = Field(
+        MODEL_DEFAULTS["encoder_position"],
+        json_schema_extra={"takes": "one of " + ", ".join(POSITIONS.names())},
+    )
     """Position encoding: none, sinusoidal, learned, shaw, t5, rope or alibi."""
     encoder: Bool = True
     """Use the encoding in encoder self-attention (false: no position information there)."""
     decoder: Bool = True
     """Use the encoding in decoder self-attention (false: no position information there)."""
-    cross: Text = Field("none", json_schema_extra={"takes": "one of " + ", ".join(POSITIONS.names())})
+    cross: Text = Field(
+        MODEL_DEFAULTS["cross_position"],
+        json_schema_extra={"takes": "one of " + ", ".join(POSITIONS.names())},
+    )
     """Encoding of decoder-encoder attention (none in all published setups)."""
-    max_positions: Int = Field(1024, ge=1)
+    max_positions: Int = Field(POSITION_DEFAULTS["max_positions"], ge=1)
     """learned: rows of the absolute table; the longest sequence it can represent."""
-    shaw_clip: Int = Field(16, ge=1)
+    shaw_clip: Int = Field(POSITION_DEFAULTS["shaw_clip"], ge=1)
     """shaw: relative distances are clipped to [-k, k]."""
-    shaw_values: Bool = False
+    shaw_values: Bool = POSITION_DEFAULTS["shaw_values"]
     """shaw: also add relative value embeddings (explicit attention weights; slower)."""
-    t5_buckets: Int = Field(32, ge=2)
+    t5_buckets: Int = Field(POSITION_DEFAULTS["t5_buckets"], ge=2)
     """t5: number of relative-position buckets."""
-    t5_max_distance: Int = Field(128, ge=2)
+    t5_max_distance: Int = Field(POSITION_DEFAULTS["t5_max_distance"], ge=2)
     """t5: distances at or beyond this share the last bucket."""
-    rope_base: Float = Field(10000.0, gt=1.0)
+    rope_base: Float = Field(POSITION_DEFAULTS["rope_base"], gt=1.0)
     """rope: frequency base theta."""
 
     @model_validator(mode="after")
@@ -66,25 +90,25 @@ class PositionConfig(Section):
 
 
 class ModelConfig(Section):
-    d_model: Int = Field(512, ge=2)
+    d_model: Int = Field(MODEL_DEFAULTS["d_model"], ge=2)
     """Width of embeddings and residual stream."""
-    n_heads: Int = Field(8, ge=1)
+    n_heads: Int = Field(MODEL_DEFAULTS["n_heads"], ge=1)
     """Attention heads; must divide d_model."""
-    ffn_dim: Int = Field(2048, ge=1)
+    ffn_dim: Int = Field(MODEL_DEFAULTS["ffn_dim"], ge=1)
     """Inner width of the position-wise feed-forward network."""
-    encoder_layers: Int = Field(6, ge=1)
+    encoder_layers: Int = Field(MODEL_DEFAULTS["encoder_layers"], ge=1)
     """Encoder layers."""
-    decoder_layers: Int = Field(6, ge=1)
+    decoder_layers: Int = Field(MODEL_DEFAULTS["decoder_layers"], ge=1)
     """Decoder layers."""
-    dropout: Float = Field(0.1, ge=0.0, lt=1.0)
+    dropout: Float = Field(MODEL_DEFAULTS["dropout"], ge=0.0, lt=1.0)
     """Dropout on embeddings and residual branches."""
-    attention_dropout: Float = Field(0.0, ge=0.0, lt=1.0)
+    attention_dropout: Float = Field(MODEL_DEFAULTS["attention_dropout"], ge=0.0, lt=1.0)
     """Dropout on attention probabilities."""
-    activation_dropout: Float = Field(0.0, ge=0.0, lt=1.0)
+    activation_dropout: Float = Field(MODEL_DEFAULTS["activation_dropout"], ge=0.0, lt=1.0)
     """Dropout after the FFN activation."""
-    pre_norm: Bool = False
+    pre_norm: Bool = MODEL_DEFAULTS["pre_norm"]
     """Pre-norm layers (LayerNorm before each sublayer) instead of the paper's post-norm."""
-    attention: Literal["auto", "flex", "sdpa", "explicit"] = "auto"
+    attention: Literal["auto", "flex", "sdpa", "explicit"] = MODEL_DEFAULTS["attention"]
     """Attention backend. auto: sdpa on every device.
     flex: FlexAttention, the encoding's logit term as its score_mod and padding + causality as one
     BlockMask per batch (no attention dropout; cannot train on the CPU). sdpa: PyTorch's fused SDPA
@@ -108,35 +132,22 @@ class ModelConfig(Section):
     def args(self, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> ModelArgs:
         """The model's own (config-free) arguments."""
         p = self.position
+        position = PositionArgs(
+            d_model=self.d_model,
+            n_heads=self.n_heads,
+            causal=False,
+            **{name: getattr(p, name) for name in POSITION_FIELDS},
+        )
         return ModelArgs(
             vocab_size=vocab_size,
             pad_id=pad_id,
             bos_id=bos_id,
             eos_id=eos_id,
-            d_model=self.d_model,
-            n_heads=self.n_heads,
-            ffn_dim=self.ffn_dim,
-            encoder_layers=self.encoder_layers,
-            decoder_layers=self.decoder_layers,
-            dropout=self.dropout,
-            attention_dropout=self.attention_dropout,
-            activation_dropout=self.activation_dropout,
-            pre_norm=self.pre_norm,
             encoder_position=p.kind if p.encoder else "none",
             decoder_position=p.kind if p.decoder else "none",
             cross_position=p.cross,
-            attention=self.attention,
-            position=PositionArgs(
-                d_model=self.d_model,
-                n_heads=self.n_heads,
-                causal=False,
-                max_positions=p.max_positions,
-                shaw_clip=p.shaw_clip,
-                shaw_values=p.shaw_values,
-                t5_buckets=p.t5_buckets,
-                t5_max_distance=p.t5_max_distance,
-                rope_base=p.rope_base,
-            ),
+            position=position,
+            **{name: getattr(self, name) for name in MODEL_FIELDS},
         )
 
 

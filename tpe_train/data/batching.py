@@ -14,7 +14,15 @@ import numpy as np
 import torch
 from datasets import Dataset
 
+from tpe_train.config import ModelConfig
+from tpe_train.model.args import ModelArgs
+
 PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # the tokenizer's special tokens (tpe_train.data.tokenizer)
+
+
+def model_args(model: ModelConfig, vocab_size: int) -> ModelArgs:
+    """The model section's arguments over a vocabulary of ``vocab_size`` with the tokenizer's special ids."""
+    return model.args(vocab_size, PAD_ID, BOS_ID, EOS_ID)
 
 
 def token_batches(src_len: np.ndarray, tgt_len: np.ndarray, max_tokens: int, seed: int) -> list[np.ndarray]:

@@ -10,16 +10,18 @@ import json
 import numpy as np
 import torch
 
-from tpe_train.ckpt.export import build_model
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.config import Config, ConfigError
-from tpe_train.data.batching import collate, length_arrays
+from tpe_train.data.batching import collate, length_arrays, model_args
 from tpe_train.data.corpus import Prepared
+from tpe_train.model.build import build_model
 from tpe_train.parallel.batch import BatchPlan, estimated_micro_tokens, largest_fitting, micro_tokens, resolve
 from tpe_train.parallel.checkpointing import apply_activation_checkpointing
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.run import atomic
-from tpe_train.train.step import autocast_dtype, batch_terms
+from tpe_train.train.build import build_optimizer
+from tpe_train.train.precision import autocast_dtype
+from tpe_train.train.step import batch_terms
 
 
 def recorded_max_tokens(run_dir: RunDir) -> int | None:
@@ -41,9 +43,9 @@ def probe_max_tokens(cfg: Config, data: Prepared, ctx: ParallelContext) -> int:
             f"data.max_tokens=auto probes a GPU's memory, but this process runs on {ctx.device.type}; set "
             "data.max_tokens to a number of padded tokens (e.g. 4096) on a CPU"
         )
-    model = build_model(cfg, data.tokenizer).to(ctx.device).train()
+    model = build_model(model_args(cfg.model, data.tokenizer.get_vocab_size()), ctx.device).train()
     apply_activation_checkpointing(model, cfg.train.activation_checkpointing, cfg.train.checkpoint_every)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.train.lr)
+    optimizer = build_optimizer(model, cfg.train)  # the trainer's: its state is part of the peak
     budget = cfg.train.memory_fraction * torch.cuda.get_device_properties(ctx.device).total_memory
     src_len, tgt_len = length_arrays(data.train)
     order = np.argsort(-(src_len + tgt_len), kind="stable")  # the longest pairs first

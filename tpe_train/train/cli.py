@@ -1,6 +1,6 @@
-"""``tpe-train [--preset P] [key=value ...]`` and ``python -m tpe_train.train``: load the config, run
-the loop (``loop.run``), turn what stops a run into an exit status (0 done, 2 bad config, data or
-checkpoint, 75 preempted with its checkpoint saved)."""
+"""``tpe-train [--preset P] [--quiet | --verbose] [key=value ...]`` and ``python -m tpe_train.train``:
+load the config, set up logging once (``run.logs``), run the loop (``loop.run``), turn what stops a run
+into an exit status (0 done, 2 bad config, data or checkpoint, 75 preempted with its checkpoint saved)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import sys
 from tpe_train.ckpt.store import CheckpointError
 from tpe_train.config import ConfigError, load_config
 from tpe_train.data.sources import CorpusError
+from tpe_train.run import logs
 from tpe_train.run.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED, end_process, preempted_exit
 from tpe_train.run.lock import RunDirBusy
 from tpe_train.run.members import MemberError
@@ -27,12 +28,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--preset", default="demo", help="preset name in configs/presets or a YAML path")
     parser.add_argument("overrides", nargs="*", help="dotted overrides, e.g. model.position.kind=rope")
     parser.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+    loud = parser.add_mutually_exclusive_group()
+    loud.add_argument("--quiet", action="store_true", help="warnings and errors only on the terminal")
+    loud.add_argument("--verbose", action="store_true", help="also debug messages on the terminal")
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``tpe-train`` and ``python -m tpe_train.train``."""
     args = parse_args(argv)
+    # rank 0: progress on stdout, warnings on stderr; other ranks: warnings and errors, with their rank
+    logs.configure("tpe-train", verbosity=logs.verbosity(args.quiet, args.verbose))
     main_rank = os.environ.get("RANK", "0") == "0"  # every rank finds the error; one reports it
     try:
         cfg = load_config(args.preset, args.overrides)

@@ -19,10 +19,10 @@ _LINE_FIGURES = (  # (scalar, label, format) of a log line, in this order
 
 
 def log_line(step: int, max_steps: int, scalars: dict[str, float]) -> str:
-    """One line of training or validation figures, e.g. ``tpe-train: step 100/9000 | loss 7.334 | ...``;
+    """One line of training or validation figures, e.g. ``step 100/9000 | loss 7.334 | ...``;
     the figures a scalar dict lacks are left out."""
     cells = [f"{label} {fmt.format(scalars[key])}" for key, label, fmt in _LINE_FIGURES if key in scalars]
-    return " | ".join([f"tpe-train: step {step}/{max_steps}", *cells])
+    return " | ".join([f"step {step}/{max_steps}", *cells])
 
 
 def write_scalars(writer: SummaryWriter | None, scalars: dict[str, float], step: int) -> None:

@@ -12,6 +12,7 @@ an uninterrupted one does. The best checkpoint is saved when its validation happ
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from tpe_train.ckpt.export import average_last, export_mean, load_export
@@ -21,6 +22,8 @@ from tpe_train.ckpt.store import inspect, step_dir
 from tpe_train.config import Config
 from tpe_train.model.transformer import Transformer
 from tpe_train.parallel.context import ParallelContext
+
+log = logging.getLogger(__name__)
 
 #: eval.select_by -> (validation figure, whether higher is better)
 FIGURES = {"bleu": ("valid/bleu", True), "loss": ("valid/nll", False)}
@@ -39,9 +42,9 @@ def observe(
     else:
         best.stale += 1
     stop = ctx.any(exhausted(best, cfg.train.patience))
-    if stop and ctx.is_main:
-        print(
-            f"tpe-train: early stop at step {step}: {best.stale} validations without a better {name} than "
+    if stop:
+        log.info(
+            f"early stop at step {step}: {best.stale} validations without a better {name} than "
             f"{best.value} (step {best.step}); train.patience={cfg.train.patience}"
         )
     return ctx.any(best.step == step and cfg.eval.select == "best"), stop
@@ -64,11 +67,11 @@ def final_model(
         path = step_dir(run_dir.checkpoints, best.step)
         if best.step and path.is_dir() and inspect(path).complete:
             export = export_mean([path], run_dir.best)
-            print(f"tpe-train: final model = {path.name}, best {cfg.eval.select_by} {best.value} -> {export}")
+            log.info(f"final model = {path.name}, best {cfg.eval.select_by} {best.value} -> {export}")
             info = {"select": "best", "by": cfg.eval.select_by, "step": best.step, "value": best.value}
             return load_export(export)[0], {**info, "export": str(export)}
-        print(
-            f"tpe-train: eval.select=best, but the checkpoint of the best validation (step {best.step}) is "
+        log.warning(
+            f"eval.select=best, but the checkpoint of the best validation (step {best.step}) is "
             f"not in {run_dir.checkpoints} (a run resumed from another directory?); the final model is "
             "the last step's"
         )

@@ -7,9 +7,7 @@ global batch.
 
 from __future__ import annotations
 
-import contextlib
 import math
-import random
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -29,68 +27,24 @@ from tpe_train.model.transformer import Transformer
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.vocab import VocabParallelScore
-
-
-def inverse_sqrt(warmup: int) -> Any:
-    """Multiplier of the peak lr: linear warmup, then sqrt(warmup / step) (Vaswani et al. 2017)."""
-
-    def factor(step: int) -> float:
-        step = max(step, 1)
-        if warmup and step < warmup:
-            return step / warmup
-        return math.sqrt(max(warmup, 1) / step)
-
-    return factor
-
-
-def seed_everything(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-
-
-def autocast_dtype(cfg: Config, deepspeed: bool) -> torch.dtype | None:
-    """The autocast dtype of the forward passes: bf16 or fp16 as ``train.bf16``/``train.fp16`` ask,
-    None for fp32 and under DeepSpeed, which holds the weights in that precision itself."""
-    if deepspeed:
-        return None
-    return torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else None
-
-
-def precision_warning(cfg: Config, device: torch.device) -> str | None:
-    """A start-up warning for ``train.bf16`` on a GPU without bf16 units (compute capability below 8.0:
-    V100, T4): autocast then emulates bf16, slower than fp32, where fp16 has the GPU's tensor cores."""
-    if not cfg.train.bf16 or device.type != "cuda":
-        return None
-    major, minor = torch.cuda.get_device_capability(device)
-    if major >= 8:
-        return None
-    return (
-        f"train.bf16 on {torch.cuda.get_device_name(device)} (compute capability {major}.{minor}), which "
-        "has no bf16 units: bf16 runs emulated, slower than fp32; this GPU's mixed precision is "
-        "train.fp16=true (train.bf16=false)"
-    )
-
-
-def autocast(dtype: torch.dtype | None, device: torch.device) -> contextlib.AbstractContextManager[Any]:
-    return torch.autocast(device.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+from tpe_train.train.precision import autocast
 
 
 def batch_terms(
     model: Any,
     batch: Batch,
     cfg: Config,
-    cast: torch.dtype | None,
+    amp_dtype: torch.dtype | None,
     grad_scale: float | torch.Tensor = 1.0,
     score: Score | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(summed smoothed loss, summed nll, target tokens) of one batch as tensors on the batch's
-    device, nothing read back to the host; ``cast``: the autocast dtype (None: none); ``grad_scale``:
+    device, nothing read back to the host; ``amp_dtype``: the autocast dtype (None: none); ``grad_scale``:
     the factor of the loss in the backward that follows; ``score``: how the output layer and loss
     are taken (the vocabulary-parallel loss under tensor parallelism; default: all logits on this
     rank)."""
     smoothing, chunk = cfg.train.label_smoothing, cfg.train.loss_chunk_tokens
-    with autocast(cast, batch.src.device):
+    with autocast(amp_dtype, batch.src.device):
         if chunk or score is not None:  # chunk by chunk, recomputed in the backward (chunk > 0)
             head = ChunkedLoss(
                 batch.tgt_out, PAD_ID, smoothing, chunk, grad_scale, score, recompute=chunk > 0
@@ -103,21 +57,21 @@ def batch_terms(
 
 
 def batch_loss(
-    model: Any, batch: Batch, cfg: Config, cast: torch.dtype | None, grad_scale: float = 1.0
+    model: Any, batch: Batch, cfg: Config, amp_dtype: torch.dtype | None, grad_scale: float = 1.0
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """``batch_terms`` with the token count read back as an int (a host sync: evaluation only)."""
-    loss, nll, ntok = batch_terms(model, batch, cfg, cast, grad_scale)
+    loss, nll, ntok = batch_terms(model, batch, cfg, amp_dtype, grad_scale)
     return loss, nll, int(ntok)
 
 
 def loss_sums(
-    model: Any, batches: Iterable[Batch], cfg: Config, cast: torch.dtype | None
+    model: Any, batches: Iterable[Batch], cfg: Config, amp_dtype: torch.dtype | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed nll, target tokens) of ``batches`` as float64 tensors on their device. Nothing is read
     back per batch: a GPU queues every batch of a validation pass instead of waiting for each one."""
     nll_sum = ntok_sum = torch.zeros((), dtype=torch.float64)
     for batch in batches:
-        _, nll, ntok = batch_terms(model, batch, cfg, cast)
+        _, nll, ntok = batch_terms(model, batch, cfg, amp_dtype)
         nll_sum, ntok_sum = nll_sum.to(nll.device) + nll, ntok_sum.to(ntok.device) + ntok
     return nll_sum, ntok_sum
 
@@ -164,7 +118,7 @@ class TokenTally:
 
 
 def train_step(
-    engine: Engine, micro: list[Batch], cfg: Config, ctx: ParallelContext, cast: torch.dtype | None
+    engine: Engine, micro: list[Batch], cfg: Config, ctx: ParallelContext, amp_dtype: torch.dtype | None
 ) -> StepResult:
     """One optimizer step over ``train.accumulate`` batches on every data-parallel rank.
 
@@ -183,11 +137,12 @@ def train_step(
     ntok = ctx.dp_reduce(local)
     scale64 = cfg.train.accumulate * ctx.dp_size / ntok
     scale = scale64.float()  # what a Python float factor of the fp32 loss was rounded to
-    seen = (scale64 / cfg.train.accumulate).float()  # every engine divides by ``accumulate``
+    # the loss's factor in the backward that follows: every engine divides by ``accumulate``
+    backward_factor = (scale64 / cfg.train.accumulate).float()
     sums: torch.Tensor | None = None  # (loss, nll) summed in float64 on the device
     score = VocabParallelScore(ctx) if ctx.tp_size > 1 else None  # the output layer split by words
     for batch in batches:
-        loss, nll, _ = batch_terms(engine.forward, batch, cfg, cast, seen, score)
+        loss, nll, _ = batch_terms(engine.forward, batch, cfg, amp_dtype, backward_factor, score)
         engine.backward(loss * scale)
         both = torch.stack([loss.detach(), nll.detach()]).to(torch.float64)
         sums = both if sums is None else sums + both
@@ -198,19 +153,19 @@ def train_step(
 
 @torch.no_grad()
 def validate(
-    engine: Engine, data: Any, cfg: Config, ctx: ParallelContext, cast: torch.dtype | None
+    engine: Engine, data: Any, cfg: Config, ctx: ParallelContext, amp_dtype: torch.dtype | None
 ) -> dict[str, float]:
     """Validation loss (nll per token, batches split over data-parallel ranks) and greedy BLEU on the
     first ``valid_bleu_size`` pairs (every rank decodes them: tensor-parallel ranks must run together)."""
     with engine.gathered() as module:
-        model = cast_model(module)
+        model = as_transformer(module)
         model.eval()
         src_len, tgt_len = length_arrays(data.valid)
         # Pairs longer than data.max_len are left out, as in training: a learned table may not reach them.
         kept = np.nonzero(fits(src_len, tgt_len, cfg.data.max_len))[0]
         batches = BatchIterator(src_len[kept], tgt_len[kept], cfg.data.max_tokens, seed=0).batches
         mine = (collate(data.valid, kept[idx]).to(ctx.device) for idx in batches[ctx.dp_rank :: ctx.dp_size])
-        nll, ntok = loss_sums(model, mine, cfg, cast)
+        nll, ntok = loss_sums(model, mine, cfg, amp_dtype)
         nll_sum, ntok_sum = ctx.dp_sum([float(nll), float(ntok)])  # the pass's one host read
         out = {"valid/nll": nll_sum / ntok_sum, "valid/ppl": math.exp(min(nll_sum / ntok_sum, 50.0))}
         n = cfg.train.valid_bleu_size
@@ -224,6 +179,7 @@ def validate(
     return out
 
 
-def cast_model(module: torch.nn.Module) -> Transformer:
-    assert isinstance(module, Transformer)
+def as_transformer(module: torch.nn.Module) -> Transformer:
+    """``module``, asserted to be a ``Transformer`` (what an engine's gathered module is)."""
+    assert isinstance(module, Transformer), type(module)
     return module

@@ -22,7 +22,6 @@ once at start-up (about a second) or taken from ``train.peak_gflops``.
 
 from __future__ import annotations
 
-import ctypes
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,10 +31,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from tpe_train.config import Config
-from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID, Batch
+from tpe_train.data.batching import Batch, model_args
 from tpe_train.model.args import ModelArgs
-from tpe_train.model.kernels import _ONEDNN, cpu_rules, set_cpu_gemm
+from tpe_train.model.kernels import _ONEDNN, cpu_rules
 from tpe_train.parallel.context import ParallelContext
+from tpe_train.train.precision import compute_dtype
 
 Kernel = Callable[[Tensor, Tensor], Tensor]  # (M, K), (N, K) -> (M, N)
 
@@ -181,29 +181,6 @@ def model_shapes(args: ModelArgs, device: torch.device) -> list[tuple[int, int, 
 # ---------------------------------------------------------------------------- the trainer
 
 
-def configure_cpu(cpu_gemm: str, device: torch.device) -> None:
-    """Process-wide settings of a CPU run: the training GEMMs' kernels (``train.cpu_gemm``), and
-    glibc's allocator told to keep freed memory instead of returning it to the system. Otherwise
-    every large tensor of a step (activations, the (tokens, vocabulary) logits and their gradient)
-    is a fresh ``mmap`` whose pages fault in one by one at first touch: converting 4,736 x 8,000
-    logits to bf16 took 62 ms into a new tensor and 14 ms into a reused one, and a training step of
-    the benchmark's shape 5% (fp32) to 15% (bf16) less CPU time with the setting. This is what
-    PyTorch's CPU tuning guides get from jemalloc or tcmalloc."""
-    set_cpu_gemm(cpu_gemm)
-    if device.type == "cpu":
-        keep_freed_memory()
-
-
-def keep_freed_memory() -> bool:
-    """glibc ``mallopt``: no ``mmap`` for large blocks, no trimming of the heap; False elsewhere."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return False
-    m_trim_threshold, m_mmap_max = -1, -4
-    return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
-
-
 class Throughput:
     """Target tokens/s and MFU of training steps over a logging window, as this rank sees them.
 
@@ -232,8 +209,8 @@ class Throughput:
     @classmethod
     def of_run(cls, cfg: Config, vocab_size: int, ctx: ParallelContext) -> Throughput:
         """The meter of a training run (the peak is measured on the main rank only, which logs)."""
-        dtype = torch.bfloat16 if cfg.train.bf16 else torch.float16 if cfg.train.fp16 else torch.float32
-        args = cfg.model.args(vocab_size, PAD_ID, BOS_ID, EOS_ID)
+        dtype = compute_dtype(cfg.train)
+        args = model_args(cfg.model, vocab_size)
         return cls(args, dtype, ctx.device, ctx.tp_size, cfg.train.peak_gflops, enabled=ctx.is_main)
 
     def step(self, batches: Sequence[Batch]) -> None:

@@ -33,10 +33,13 @@ from tpe_train.data.corpus import TrainBatches
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.deepspeed import resolve_layout
 from tpe_train.train import batch_size
-from tpe_train.train.diagnostics import TrainingDiagnostics
-from tpe_train.train.loop import build_engine, prepare_data
-from tpe_train.train.step import seed_everything, train_step
-from tpe_train.train.throughput import configure_cpu
+from tpe_train.train.build import build_engine, build_train_model
+from tpe_train.train.cpu_setup import configure_cpu
+from tpe_train.train.position_logging import TrainingDiagnostics
+from tpe_train.train.precision import autocast_dtype
+from tpe_train.train.seeding import seed_everything
+from tpe_train.train.startup import prepare_data
+from tpe_train.train.step import train_step
 
 
 def main() -> None:
@@ -57,7 +60,8 @@ def main() -> None:
     configure_cpu(cfg.train.cpu_gemm, ctx.device)
     data = prepare_data(cfg, ctx)
     cfg, _ = batch_size.plan(cfg, data, ctx, start_recorded=False)
-    engine = build_engine(cfg, data, ctx, layout)
+    engine = build_engine(build_train_model(cfg, data.tokenizer.get_vocab_size(), ctx), cfg, ctx, None)
+    amp_dtype = autocast_dtype(cfg, engine.uses_deepspeed)
     batches = TrainBatches(data, cfg.data, cfg.train.seed)
     diagnostics = TrainingDiagnostics.of_run(cfg, data, ctx)
     assert diagnostics is not None, "train.diagnostics_every=0: nothing to measure"
@@ -70,10 +74,10 @@ def main() -> None:
 
     def step() -> tuple[float, float]:
         micro = [next(batches) for _ in range(cfg.train.accumulate)]
-        return timed(lambda: train_step(engine, micro, cfg, ctx, cast=cfg.train.bf16))
+        return timed(lambda: train_step(engine, micro, cfg, ctx, amp_dtype))
 
     def diagnose(at: int) -> tuple[float, float]:
-        return timed(lambda: diagnostics.write(engine, writer, ctx, at, cast=cfg.train.bf16))
+        return timed(lambda: diagnostics.write(engine, writer, ctx, at, amp_dtype))
 
     for _ in range(3):
         step()

@@ -28,7 +28,7 @@ from tpe_train.evaluation.position_report import (
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
 from tpe_train.train.scalars import write_scalars
-from tpe_train.train.step import cast_model
+from tpe_train.train.step import as_transformer
 
 
 @dataclass
@@ -58,16 +58,16 @@ class TrainingDiagnostics:
         writer: SummaryWriter | None,
         ctx: ParallelContext,
         step: int,
-        cast: torch.dtype | None,
+        amp_dtype: torch.dtype | None,
         images: bool = True,
     ) -> None:
         """Measure the model (every rank: tensor-parallel ranks compute their heads together) and write
         the figures of all heads at ``step`` (rank 0 has the writer); ``images``: also the learned
         tables' similarity images."""
         with engine.gathered() as module:
-            model = cast_model(module)
+            model = as_transformer(module)
             diag = diagnose(
-                model, self.src, self.tgt_in, self.length, heads=self.heads, learned_only=True, cast=cast
+                model, self.src, self.tgt_in, self.length, heads=self.heads, learned_only=True, cast=amp_dtype
             )
         diag.distances = merge(ctx.gather(diag.distances))
         if writer is None:
