@@ -11,6 +11,7 @@ from torch import Tensor
 
 from tpe_train.config.sections import Config
 from tpe_train.model.args import ModelArgs
+from tpe_train.model.position_stats import position_similarity
 from tpe_train.model.transformer import Transformer
 from tpe_train.positions import PositionArgs, build_position
 from tpe_train.positions.absolute import sinusoid_table
@@ -202,3 +203,11 @@ def test_config_passes_parameters_and_refuses_compiled_rope() -> None:
     rope = {"position": {"kind": "rope", "augment": "cape"}}
     with pytest.raises(ValueError, match=r"train\.compile"):
         Config.model_validate({"model": rope, "train": {"compile": True}})
+
+
+def test_position_diagnostics_read_the_plain_positions_in_training() -> None:
+    """The table image of a training model shows rows 0..P-1, not a shifted draw past the table."""
+    net = model("learned", "shape").train()
+    similarity = position_similarity(net, 10)
+    assert similarity["encoder"].shape == (64, 64) and net.encoder.pos(0).training
+    torch.testing.assert_close(similarity["encoder"], position_similarity(net.eval(), 10)["encoder"])
