@@ -4,15 +4,22 @@ distributions in training, and evaluation and decoding see exactly the positions
 from __future__ import annotations
 
 import math
+import os
+import socket
+from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import Tensor
 
 from tpe_train.config.sections import Config
 from tpe_train.model.args import ModelArgs
 from tpe_train.model.position_stats import position_similarity
 from tpe_train.model.transformer import Transformer
+from tpe_train.parallel.context import ParallelContext
+from tpe_train.parallel.plan import PositionParallelEmbedding
 from tpe_train.positions import PositionArgs, build_position
 from tpe_train.positions.absolute import sinusoid_table
 from tpe_train.positions.augment import augment_positions
@@ -211,3 +218,39 @@ def test_position_diagnostics_read_the_plain_positions_in_training() -> None:
     similarity = position_similarity(net, 10)
     assert similarity["encoder"].shape == (64, 64) and net.encoder.pos(0).training
     torch.testing.assert_close(similarity["encoder"], position_similarity(net.eval(), 10)["encoder"])
+
+
+def table_and_positions() -> tuple[torch.nn.Embedding, Tensor]:
+    torch.manual_seed(0)
+    return torch.nn.Embedding(64, 8), torch.randint(0, 64, (3, 5))
+
+
+def lookup_worker(rank: int, port: int, out: Any) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        ctx = ParallelContext(2, rank, rank, tp_size=2, tp_group=dist.group.WORLD)
+        full, pos = table_and_positions()
+        with torch.no_grad():
+            out.put((rank, PositionParallelEmbedding(full, ctx)(pos).numpy()))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_split_learned_table_looks_up_per_sequence_positions() -> None:
+    """Tensor parallelism splits a learned table by rows; augmented training positions are (B, L)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    context = mp.get_context("spawn")
+    out = context.Queue()
+    procs = [context.Process(target=lookup_worker, args=(r, port, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    results = dict(out.get(timeout=120) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+        assert p.exitcode == 0
+    full, pos = table_and_positions()
+    for rank in range(2):
+        torch.testing.assert_close(torch.from_numpy(results[rank]), full(pos).detach())
