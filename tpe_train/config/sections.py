@@ -14,6 +14,7 @@ from tpe_train.config.types import Beta, Bool, Buckets, Float, Int, Seed, Text
 from tpe_train.model.args import ModelArgs
 from tpe_train.model.attention import check_flex_dropout
 from tpe_train.positions import POSITIONS, PositionArgs
+from tpe_train.positions.augment import check_augment
 from tpe_train.positions.rotary import check_head_dim
 
 
@@ -28,7 +29,9 @@ POSITION_DEFAULTS = _defaults(PositionArgs)
 #: Fields copied as they are from the sections into ``ModelArgs`` / ``PositionArgs``.
 MODEL_FIELDS = ("d_model", "n_heads", "ffn_dim", "encoder_layers", "decoder_layers", "dropout",
                 "attention_dropout", "activation_dropout", "pre_norm", "attention")  # fmt: skip
-POSITION_FIELDS = ("max_positions", "shaw_clip", "shaw_values", "t5_buckets", "t5_max_distance", "rope_base")
+POSITION_FIELDS = ("max_positions", "shaw_clip", "shaw_values", "t5_buckets", "t5_max_distance", "rope_base",
+                   "augment", "augment_max_shift", "cape_shift", "cape_jitter", "cape_scale",
+                   "randomized_range")  # fmt: skip
 
 
 class ConfigError(ValueError):
@@ -71,6 +74,25 @@ class PositionConfig(Section):
     """t5: distances at or beyond this share the last bucket."""
     rope_base: Float = Field(POSITION_DEFAULTS["rope_base"], gt=1.0)
     """rope: frequency base theta."""
+    augment: Literal["none", "shape", "cape", "randomized"] = POSITION_DEFAULTS["augment"]
+    """Training-time position augmentation of the encoder's and decoder's self-attention encoding
+    (sinusoidal, learned, rope; evaluation and decoding keep positions 0, 1, 2, ...). shape: one random
+    offset per sequence (Kiyono et al. 2021); cape: shift, jitter and scale to real positions
+    (Likhomanenko et al. 2021; sinusoidal and rope only); randomized: sorted distinct positions drawn
+    from a larger range (Ruoss et al. 2023). docs/positions.md, "Position augmentation"."""
+    augment_max_shift: Int = Field(POSITION_DEFAULTS["augment_max_shift"], ge=1)
+    """shape: the largest offset K; each sequence's offset is uniform over 0..K (learned: the table
+    needs max_positions >= data.max_len + 1 + K)."""
+    cape_shift: Float = Field(POSITION_DEFAULTS["cape_shift"], ge=0.0)
+    """cape: the largest global shift S; each sequence moves by a uniform shift in [-S, S]."""
+    cape_jitter: Float = Field(POSITION_DEFAULTS["cape_jitter"], ge=0.0, le=0.5)
+    """cape: the largest local jitter e; each position moves by a uniform amount in [-e, e] (at most
+    0.5, which keeps the order)."""
+    cape_scale: Float = Field(POSITION_DEFAULTS["cape_scale"], ge=1.0)
+    """cape: the largest global scale s; each sequence's positions are multiplied by a log-uniform
+    factor in [1/s, s] (1: no scaling)."""
+    randomized_range: Int = Field(POSITION_DEFAULTS["randomized_range"], ge=2)
+    """randomized: positions are drawn from 0..R-1, R > data.max_len + 1 (learned: max_positions >= R)."""
 
     @model_validator(mode="after")
     def _known(self) -> PositionConfig:
@@ -81,6 +103,7 @@ class PositionConfig(Section):
                     f"model.position.{key}={name!r} is not a position encoding; choose one of: "
                     f"{', '.join(POSITIONS.names())}"
                 )
+        check_augment(self.kind, POSITIONS.get(self.kind).augments, self.augment)
         if self.kind == "t5" and self.t5_max_distance <= self.t5_buckets // 2:
             raise ValueError(
                 f"model.position.t5_max_distance ({self.t5_max_distance}) must exceed half of "
@@ -454,6 +477,37 @@ class EvalConfig(Section):
         return data
 
 
+def check_augment_lengths(cfg: Config) -> None:
+    """Refuse a position augmentation whose positions the encoding cannot hold, or that compiled
+    layers would draw once per layer."""
+    p, longest = cfg.model.position, cfg.data.max_len + 1
+    if p.augment == "shape" and p.kind == "learned" and p.max_positions < longest + p.augment_max_shift:
+        raise ValueError(
+            f"model.position.augment=shape shifts positions by up to augment_max_shift="
+            f"{p.augment_max_shift}, past the learned table of max_positions={p.max_positions} rows for "
+            f"sequences of {longest} tokens (data.max_len + EOS/BOS); raise max_positions to at least "
+            f"{longest + p.augment_max_shift} or lower augment_max_shift"
+        )
+    if p.augment == "randomized" and p.randomized_range <= longest:
+        raise ValueError(
+            f"model.position.augment=randomized draws positions from 0..randomized_range-1, but "
+            f"randomized_range={p.randomized_range} is not above the longest training sequence ({longest} "
+            "tokens, data.max_len + EOS/BOS); raise randomized_range (e.g. 4 x data.max_len)"
+        )
+    if p.augment == "randomized" and p.kind == "learned" and p.max_positions < p.randomized_range:
+        raise ValueError(
+            f"model.position.augment=randomized draws positions up to randomized_range-1="
+            f"{p.randomized_range - 1}, past the learned table of max_positions={p.max_positions} rows; "
+            "raise max_positions to randomized_range or lower randomized_range"
+        )
+    if p.augment != "none" and p.kind == "rope" and cfg.train.compile:
+        raise ValueError(
+            f"model.position.augment={p.augment} with rope draws the positions inside the attention "
+            "layers, which train.compile would redraw in every compiled layer; set train.compile=false "
+            "or model.position.augment=none"
+        )
+
+
 class Config(Section):
     preset: Text = Field(
         "demo", json_schema_extra={"takes": "letters, digits and ._-, starting with a letter or digit"}
@@ -493,6 +547,7 @@ class Config(Section):
                 f"training sequence (data.max_len={self.data.max_len} tokens + EOS/BOS); raise "
                 "max_positions or lower data.max_len"
             )
+        check_augment_lengths(self)
         n, select = self.eval.average_last, self.eval.select
         if select == "average_last" and n < 2:
             raise ValueError(

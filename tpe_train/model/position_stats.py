@@ -117,8 +117,13 @@ def position_vectors(pos: PositionEncoding, length: int, device: torch.device) -
     None when it adds nothing (none, RoPE, T5, ALiBi, Shaw)."""
     d = pos.args.d_model
     positions = torch.arange(length, device=device)
-    with torch.no_grad():
-        rows = pos.embed(torch.zeros(1, length, d, device=device), positions)[0]
+    training = pos.training
+    pos.train(False)  # the plain positions, not a training-time augmentation of them
+    try:
+        with torch.no_grad():
+            rows = pos.embed(torch.zeros(1, length, d, device=device), positions)[0]
+    finally:
+        pos.train(training)
     rows = rows.detach().to(torch.float64).cpu()
     return rows if bool(rows.ne(0).any()) else None
 

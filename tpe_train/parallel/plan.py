@@ -64,8 +64,8 @@ class PositionParallelEmbedding(nn.Module):
 
     def forward(self, pos: Tensor) -> Tensor:
         local = pos - self.start
-        here = (local >= 0) & (local < self.rows)  # (L,)
-        out = F.embedding(local.clamp(0, self.rows - 1), self.weight) * here[:, None].to(self.weight.dtype)
+        here = (local >= 0) & (local < self.rows)  # (L,), or (B, L) for augmented training positions
+        out = F.embedding(local.clamp(0, self.rows - 1), self.weight) * here[..., None].to(self.weight.dtype)
         return ReduceFromGroup.apply(out, self.group)
 
     def extra_repr(self) -> str:

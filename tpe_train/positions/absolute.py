@@ -29,10 +29,16 @@ def sinusoid_table(positions: Tensor, d_model: int) -> Tensor:
 @POSITIONS.register("sinusoidal")
 class SinusoidalPosition(PositionEncoding):
     """Fixed sinusoids added to the embeddings; computed from the positions on their device at each
-    call ((L, d) sines, once per stack and forward pass), never stored and never sized on the host."""
+    call ((L, d) sines, once per stack and forward pass), never stored and never sized on the host.
+    In training, ``model.position.augment`` may move the positions of each sequence (real-valued for
+    cape)."""
+
+    augments: ClassVar[tuple[str, ...]] = ("shape", "cape", "randomized")
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
-        return x + sinusoid_table(pos, self.args.d_model).to(x.dtype)
+        pos = self.train_positions(pos, x.shape[0])  # (L,), or (B, L) in training with augmentation
+        table = sinusoid_table(pos.flatten(), self.args.d_model).view(*pos.shape, self.args.d_model)
+        return x + table.to(x.dtype)
 
 
 @POSITIONS.register("learned")
@@ -42,6 +48,8 @@ class LearnedPosition(PositionEncoding):
     Longer inputs are refused by the model from their shape (``max_length``), before any lookup."""
 
     tp_split = "positions"
+    #: integer positions only (a row per position): no cape
+    augments: ClassVar[tuple[str, ...]] = ("shape", "randomized")
     settings: ClassVar[dict[str, str]] = {
         "extend": "refuse (default: positions past the table are an error) or interpolate",
         "factor": "interpolate: the table stretched to factor x its rows (row i: old position i / factor)",
@@ -81,6 +89,7 @@ class LearnedPosition(PositionEncoding):
         return self.args.max_positions if self.extended is None else self.extended.shape[0]
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
+        pos = self.train_positions(pos, x.shape[0])  # (L,), or (B, L) in training with augmentation
         if self.extended is not None:
             return x + self.extended[pos].to(x.dtype)
         return x + self.table(pos).to(x.dtype)

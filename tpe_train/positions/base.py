@@ -28,6 +28,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import Tensor, nn
 
+from tpe_train.positions.augment import augment_positions
 from tpe_train.positions.registry import Registry
 
 #: FlexAttention's score_mod: (score, batch, head, q_idx, kv_idx) -> modified score (0-d tensors)
@@ -49,6 +50,12 @@ class PositionArgs:
     t5_buckets: int = 32  # T5 relative-attention buckets
     t5_max_distance: int = 128  # T5: distances beyond this share the last bucket
     rope_base: float = 10000.0  # RoPE frequency base
+    augment: str = "none"  # training-time position augmentation: none, shape, cape, randomized
+    augment_max_shift: int = 500  # shape: offsets k ~ U{0..K}
+    cape_shift: float = 5.0  # cape: global shift ~ U[-S, S]
+    cape_jitter: float = 0.5  # cape: per-position jitter ~ U[-e, e]
+    cape_scale: float = 1.03  # cape: scale, log-uniform in [1/s, s]
+    randomized_range: int = 1024  # randomized: positions drawn from {0..R-1}
 
     @property
     def head_dim(self) -> int:
@@ -71,6 +78,8 @@ class PositionEncoding(nn.Module):
     #: how tensor parallelism treats this encoding's tables: "heads" (one column per head, narrowed by
     #: ``keep_heads``), "positions" (an absolute table split along positions) or "replicated"
     tp_split: ClassVar[str] = "replicated"
+    #: training-time position augmentations this encoding applies (``positions/augment.py``)
+    augments: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()
@@ -82,6 +91,24 @@ class PositionEncoding(nn.Module):
     def max_length(self) -> int | None:
         """Longest sequence this encoding can represent (``None``: unbounded)."""
         return None
+
+    def train_positions(self, pos: Tensor, batch: int) -> Tensor:
+        """The positions a hook uses: ``pos`` itself in evaluation, in decoding and without
+        augmentation; in training with ``args.augment`` among ``augments``, (batch, L) positions
+        drawn by ``augment_positions`` (a fresh draw at each call)."""
+        a = self.args
+        if not self.training or a.augment not in self.augments:
+            return pos
+        return augment_positions(
+            pos,
+            batch,
+            a.augment,
+            max_shift=a.augment_max_shift,
+            cape_shift=a.cape_shift,
+            cape_jitter=a.cape_jitter,
+            cape_scale=a.cape_scale,
+            randomized_range=a.randomized_range,
+        )
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
         """x: (B, L, D) scaled token embeddings; pos: (L,) -> (B, L, D)."""

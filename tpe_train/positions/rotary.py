@@ -87,7 +87,7 @@ class RotaryPosition(PositionEncoding):
     def cos_sin(self, pos: Tensor) -> tuple[Tensor, Tensor]:
         """cos and sin of every position's angles in the half-split layout: two (L, hd) float32."""
         inv_freq = self.inv_freq(pos.device)  # (hd/2,)
-        freqs = pos.to(torch.float64)[:, None] * inv_freq[None, :]  # (L, hd/2)
+        freqs = pos.to(torch.float64)[..., None] * inv_freq  # (L, hd/2), or (B, L, hd/2) augmented
         emb = torch.cat((freqs, freqs), dim=-1)  # (L, hd)
         if self.mscale != 1.0:
             return (emb.cos() * self.mscale).float(), (emb.sin() * self.mscale).float()
@@ -103,15 +103,27 @@ class RotaryPosition(PositionEncoding):
         ``slice_backward``, each a zero-filled copy): 18 aten ops a rotation, 12 now."""
         cos, sin = self.cos_sin(pos)
         half = sin.shape[-1] // 2
-        swapped_signed = torch.cat((sin[:, half:], -sin[:, :half]), dim=-1)
-        return cos.to(dtype)[:, None, :], swapped_signed.to(dtype)[:, None, :]
+        swapped_signed = torch.cat((sin[..., half:], -sin[..., :half]), dim=-1)
+        return cos.to(dtype)[..., None, :], swapped_signed.to(dtype)[..., None, :]
 
     def _rotated(self, x: Tensor, pos: Tensor) -> Tensor:
         cos, sin = self.memo("tables", (pos,), x.dtype, lambda: self.tables(pos, x.dtype))
         t = x.transpose(1, 2)  # (B, L, H, hd): the projection's layout (a view, no copy)
         return (t * cos + (t * sin).roll(t.shape[-1] // 2, dims=-1)).transpose(1, 2)
 
+    augments: ClassVar[tuple[str, ...]] = ("shape", "cape", "randomized")
+
+    def augmented(self, q_pos: Tensor, k_pos: Tensor, batch: int) -> tuple[Tensor, Tensor]:
+        """Self-attention's positions in training under ``model.position.augment``: (batch, L), drawn
+        once per batch and stack (``memo``: every layer sees the same draw). Cross-attention (query
+        and key positions of two sequences) keeps its positions."""
+        if not self.training or q_pos is not k_pos or self.args.augment not in self.augments:
+            return q_pos, k_pos
+        pos = self.memo("augment", (q_pos,), torch.float64, lambda: self.train_positions(q_pos, batch))
+        return pos, pos
+
     def rotate(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+        q_pos, k_pos = self.augmented(q_pos, k_pos, q.shape[0])
         q = self._rotated(q, q_pos)
         if k.shape[-2]:  # cross-attention with a cached memory passes no keys
             k = self._rotated(k, k_pos)
