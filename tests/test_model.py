@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from support.models import KINDS, tiny_model
+from support.models import KINDS, TRAINED, tiny_model
 
 from tpe_train.model.generate import beam_search, greedy
 from tpe_train.model.loss import _ChunkedSmoothedCE, _SmoothedCE, label_smoothed_loss, loss_kernel
@@ -93,7 +93,7 @@ def test_label_smoothed_loss_matches_torch() -> None:
     torch.testing.assert_close(nll, ref_nll)
 
 
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TRAINED)
 def test_tiny_model_overfits_a_tiny_batch(kind: str) -> None:
     model = tiny_model(kind)
     model.train()
@@ -109,7 +109,7 @@ def test_tiny_model_overfits_a_tiny_batch(kind: str) -> None:
     assert float(loss.detach() / ntok) < 0.05
 
 
-@pytest.mark.parametrize("kind", [*KINDS, "shaw+values"])
+@pytest.mark.parametrize("kind", [*TRAINED, "shaw+values"])
 def test_bf16_autocast_trains_every_encoding(kind: str) -> None:
     model = tiny_model("shaw", shaw_values=True) if kind == "shaw+values" else tiny_model(kind)
     model.train()

@@ -24,7 +24,8 @@ class Section(BaseModel):
 
 class PositionConfig(Section):
     kind: str = "sinusoidal"
-    """Position encoding: none, sinusoidal, learned, shaw, t5, rope or alibi."""
+    """Position encoding: none, sinusoidal, learned, shaw, t5, rope, alibi, kerple_log, kerple_power,
+    sandwich, fire or xpos (docs/positions.md)."""
     encoder: bool = True
     """Use the encoding in encoder self-attention (false: no position information there)."""
     decoder: bool = True
@@ -42,7 +43,15 @@ class PositionConfig(Section):
     t5_max_distance: int = Field(128, ge=2)
     """t5: distances at or beyond this share the last bucket."""
     rope_base: float = Field(10000.0, gt=1.0)
-    """rope: frequency base theta."""
+    """rope, xpos: frequency base theta."""
+    sandwich_dim: int = Field(128, ge=2)
+    """sandwich: d', the width of the sinusoidal embeddings whose inner product is the bias (even)."""
+    fire_width: int = Field(32, ge=1)
+    """fire: hidden units of the MLP f."""
+    fire_threshold: float = Field(512.0, gt=0.0)
+    """fire: initial threshold L of the normaliser psi(max(L, i)) (learned through a multiplier)."""
+    xpos_scale_base: float = Field(512.0, gt=0.0)
+    """xpos: gamma, the distance over which a pair's contribution decays by its zeta."""
 
     @model_validator(mode="after")
     def _known(self) -> PositionConfig:
@@ -53,6 +62,11 @@ class PositionConfig(Section):
                     f"model.position.{key}={name!r} is not a position encoding; choose one of: "
                     f"{', '.join(POSITIONS.names())}"
                 )
+        if "sandwich" in (self.kind, self.cross) and self.sandwich_dim % 2:
+            raise ValueError(
+                f"model.position.sandwich_dim ({self.sandwich_dim}) must be even (cosines of d'/2 "
+                "frequencies); choose an even width"
+            )
         if self.kind == "t5" and self.t5_max_distance <= self.t5_buckets // 2:
             raise ValueError(
                 f"model.position.t5_max_distance ({self.t5_max_distance}) must exceed half of "
@@ -102,10 +116,10 @@ class ModelConfig(Section):
                 f"model.attention_dropout={self.attention_dropout}; set model.attention_dropout=0 or "
                 "choose model.attention=sdpa"
             )
-        uses_rope = "rope" in (self.position.kind, self.position.cross)
-        if uses_rope and (self.d_model // self.n_heads) % 2:
+        rotary = {"rope", "xpos"} & {self.position.kind, self.position.cross}
+        if rotary and (self.d_model // self.n_heads) % 2:
             raise ValueError(
-                f"rope needs an even head dimension, but d_model/n_heads = "
+                f"{min(rotary)} needs an even head dimension, but d_model/n_heads = "
                 f"{self.d_model // self.n_heads}; change model.d_model or model.n_heads"
             )
         return self
@@ -141,6 +155,10 @@ class ModelConfig(Section):
                 t5_buckets=p.t5_buckets,
                 t5_max_distance=p.t5_max_distance,
                 rope_base=p.rope_base,
+                sandwich_dim=p.sandwich_dim,
+                fire_width=p.fire_width,
+                fire_threshold=p.fire_threshold,
+                xpos_scale_base=p.xpos_scale_base,
             ),
         )
 

@@ -49,6 +49,11 @@ class PositionArgs:
     t5_buckets: int = 32  # T5 relative-attention buckets
     t5_max_distance: int = 128  # T5: distances beyond this share the last bucket
     rope_base: float = 10000.0  # RoPE frequency base
+    sandwich_dim: int = 128  # Sandwich: d', the width of the sinusoidal embeddings whose product is the bias
+    fire_width: int = 32  # FIRE: hidden units of the MLP f
+    fire_threshold: float = 512.0  # FIRE: initial L of the normaliser psi(max(L, i))
+    xpos_scale_base: float = 512.0  # xPos: gamma, the distance over which the decay is zeta
+    cope_positions: int = 64  # CoPE: rows of the contextual position table (counts above share the last)
 
     @property
     def head_dim(self) -> int:
@@ -138,6 +143,12 @@ class PositionEncoding(nn.Module):
         value = build()
         memo[key] = (positions, dtype, value)
         return value
+
+    def head_dims(self) -> dict[str, int]:
+        """For ``tp_split = "heads"``: the dimension of each parameter (by name) that holds one entry per
+        head, narrowed by ``keep_heads``; a parameter not named serves every head (each rank keeps all
+        of it, its gradient summed over the group). Default: every parameter, along its last dimension."""
+        return {name: param.dim() - 1 for name, param in self.named_parameters()}
 
     def keep_heads(self, heads: list[int]) -> None:
         """Serve only the global heads ``heads`` (a tensor-parallel rank's share): per-head tables and
