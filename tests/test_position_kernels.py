@@ -10,6 +10,7 @@ import torch
 from support.models import tiny_model
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
+from tpe_train.config import ConfigError, load_config
 from tpe_train.model.loss import label_smoothed_loss
 from tpe_train.positions import PositionArgs, PositionEncoding, build_position
 from tpe_train.positions.fire import FirePosition
@@ -153,3 +154,15 @@ def test_bf16_autocast_gives_finite_gradients_to_every_position_parameter(kind: 
     assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in params)
     assert (kind in ("sandwich", "xpos")) == (not params)
     assert any(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in params) or not params
+
+
+def test_the_config_types_and_checks_the_new_keys() -> None:
+    cfg = load_config("demo", ["model.position.kind=fire", "model.position.fire_width=8"])
+    args = cfg.model.args(40, 0, 1, 2).position
+    assert args is not None and args.fire_width == 8 and args.sandwich_dim == 128
+    with pytest.raises(ConfigError, match=r"sandwich_dim \(7\) must be even"):
+        load_config("demo", ["model.position.kind=sandwich", "model.position.sandwich_dim=7"])
+    with pytest.raises(ConfigError, match="xpos needs an even head dimension"):
+        load_config("demo", ["model.position.kind=xpos", "model.d_model=12", "model.n_heads=4"])
+    with pytest.raises(ConfigError, match="fire_threshold"):
+        load_config("demo", ["model.position.kind=fire", "model.position.fire_threshold=0"])
