@@ -42,6 +42,7 @@ POSITION_SWEEP = (
     "sandwich",
     "fire",
     "xpos",
+    "cope",
 )
 PORT_BASE, PORT_SPAN = 20000, 10000  # job ports: 20000 + job id % 10000, below the ephemeral range
 LOCAL_PORT = 0  # outside Slurm: accelerate picks a free port

@@ -233,7 +233,8 @@ def _ops(kind: str, layers: int) -> _Count:
 #: a product instead of two slices and a ``cat`` of the input (and their two ``slice_backward``).
 #: 2026-12-06: kerple_log -2 (+83 per model), kerple_power -2 (+101), sandwich -5 (+44), fire -2 (+237:
 #: its MLP over the (Lq, Lk) distances and the backward, once per stack), xpos 46 (+94: RoPE's tables
-#: for queries and keys apart, each with its decay).
+#: for queries and keys apart, each with its decay), cope 232 (+0: gates from q.k^T, their cumulative
+#: sum, four gathers and q.e per layer, forward and backward).
 BUDGET = {
     "none": (0, 0),
     "sinusoidal": (0, 40),
@@ -247,6 +248,7 @@ BUDGET = {
     "sandwich": (2, 48),
     "fire": (2, 244),
     "xpos": (48, 100),
+    "cope": (240, 8),
 }
 
 

@@ -276,7 +276,7 @@ def test_dry_run_cpu_sweep_and_eval(capsys: pytest.CaptureFixture[str], tmp_path
         (["--gpus-per-node", "8", "--layout", "cpu_ddp"], "runs on CPUs"),
         (["model.n_heads=5"], "not divisible by model.n_heads"),
         (["--array", "0-1"], "--array applies to --script sweep_positions"),
-        (["--script", "sweep_positions", "--array", "3-9"], "index 7, outside the position sweep"),
+        (["--script", "sweep_positions", "--array", "3-19"], "index 13, outside the position sweep"),
         (["--script", "sweep_positions", "model.position.kind=t5"], "sets model.position.kind itself"),
         (["--time", "4", "--signal-before", "300"], "not shorter than --time"),
         (["--script", "eval", "--nodes", "2"], "evaluation runs on one node"),

@@ -4,19 +4,23 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from support.golden_positions import outputs
 from support.models import tiny_model
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from tpe_train.config import ConfigError, load_config
 from tpe_train.model.loss import label_smoothed_loss
+from tpe_train.model.transformer import Transformer
 from tpe_train.positions import PositionArgs, PositionEncoding, build_position
+from tpe_train.positions.contextual import ContextualPosition
 from tpe_train.positions.fire import FirePosition
 from tpe_train.positions.kernel import KERPLE_EPS, KerpleLog, KerplePower
 
-NEW = ["kerple_log", "kerple_power", "sandwich", "fire", "xpos"]
+NEW = ["kerple_log", "kerple_power", "sandwich", "fire", "xpos", "cope"]
 Q_POS, K_POS = torch.arange(3, 9), torch.arange(1, 10)  # offsets, queries inside a longer key range
 
 
@@ -129,6 +133,66 @@ def test_xpos_scores_decay_per_frequency_pair_in_the_decoder_only() -> None:
         assert torch.equal(x, y)  # the encoder: RoPE, bitwise
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_cope_matches_the_gated_counts_between_query_and_key(causal: bool) -> None:
+    torch.manual_seed(0)
+    enc = build_position("cope", PositionArgs(d_model=8, n_heads=2, causal=causal, cope_positions=5))
+    assert isinstance(enc, ContextualPosition)
+    with torch.no_grad():
+        enc.table.normal_()
+    length, pos = 6, torch.arange(2, 8)  # positions with an offset
+    q, k = torch.randn(1, 2, length, 4) * 2, torch.randn(1, 2, length, 4) * 2
+    keep = torch.ones(1, 1, 1, length, dtype=torch.bool)
+    keep[..., 4] = False  # a padded key counts nothing
+    got = enc.key_bias(q, k, pos, pos, keep)[0]
+    table = enc.table.detach()
+    for h in range(2):
+        for a in range(length):
+            for b in range(length):
+                seen = [t for t in range(min(a, b), max(a, b) + 1) if t != 4 and (t <= a or not causal)]
+                p = sum(1 / (1 + math.exp(-float(q[0, h, a] @ k[0, h, t]) / 2)) for t in seen)
+                p = min(p, 4.0)
+                lo, hi = math.floor(p), math.ceil(p)
+                at = [float(q[0, h, a] @ table[:, c]) for c in (lo, hi)]
+                want = at[1] * (p - lo) + at[0] * (1 - (p - lo))
+                assert got[h, a, b].item() == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+def cope_model(**kw: object) -> Transformer:
+    """A tiny CoPE model with its tables drawn (they start at zero, which would hide the term)."""
+    torch.manual_seed(0)
+    model = tiny_model("cope", **kw)
+    for enc in model.modules():
+        if isinstance(enc, ContextualPosition):
+            torch.nn.init.normal_(enc.table)
+    return model
+
+
+def test_cope_decodes_incrementally_as_the_full_pass_and_flex_equals_sdpa() -> None:
+    src, tgt = torch.randint(3, 40, (3, 7)), torch.randint(3, 40, (3, 6))
+    src[1, 5:] = 0
+    model = cope_model()
+    with torch.no_grad():
+        memory = model.encode(src)
+        full = model.decode(tgt, memory)
+        cache = model.new_cache()
+        chunks = [model.decode(tgt[:, :2], memory, cache)] + [
+            model.decode(tgt[:, i : i + 1], memory, cache) for i in range(2, 6)
+        ]
+        torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=1e-5, rtol=1e-5)
+        outs = [cope_model(attention=b)(src, tgt) for b in ("explicit", "sdpa", "flex")]
+        torch.manual_seed(0)
+        zero_tables = tiny_model("cope", attention="explicit")(src, tgt)  # the same weights, no CoPE term
+    assert not torch.allclose(outs[0], zero_tables, atol=1e-3)
+    for out in outs[1:]:
+        torch.testing.assert_close(out, outs[0], atol=1e-5, rtol=1e-5)
+
+
+def test_cope_is_refused_in_cross_attention() -> None:
+    with pytest.raises(ConfigError, match="cross=cope: CoPE counts keys from the query's own position"):
+        load_config("demo", ["model.position.cross=cope"])
+
+
 @pytest.mark.parametrize("kind", NEW)
 def test_a_step_reads_nothing_back_to_the_host(kind: str) -> None:
     """Forward and backward under fake tensors (no data: a read would raise), as the training step."""
@@ -166,3 +230,14 @@ def test_the_config_types_and_checks_the_new_keys() -> None:
         load_config("demo", ["model.position.kind=xpos", "model.d_model=12", "model.n_heads=4"])
     with pytest.raises(ConfigError, match="fire_threshold"):
         load_config("demo", ["model.position.kind=fire", "model.position.fire_threshold=0"])
+
+
+def test_the_older_encodings_give_bitwise_the_outputs_of_the_narrower_interface() -> None:
+    """Widening the interface for keys (CoPE) leaves every older encoding's outputs unchanged:
+    torch.equal against the values the code gave before (tests/support/golden_positions.py)."""
+    golden = torch.load(Path(__file__).parent / "support" / "golden_positions.pt")
+    now = outputs()
+    assert sorted(now) == sorted(golden) and len(now) == 32
+    assert all(torch.equal(now[key], golden[key]) for key in golden), [
+        key for key in golden if not torch.equal(now[key], golden[key])
+    ]

@@ -166,5 +166,5 @@ def test_registry_lists_choices_on_a_typo() -> None:
         POSITIONS.get("rotary")
     assert set(POSITIONS.names()) == {
         *("none", "sinusoidal", "learned", "shaw", "t5", "rope", "alibi"),
-        *("kerple_log", "kerple_power", "sandwich", "fire", "xpos"),
+        *("kerple_log", "kerple_power", "sandwich", "fire", "xpos", "cope"),
     }

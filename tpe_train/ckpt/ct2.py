@@ -110,6 +110,7 @@ UNREPRESENTED = {
     "fire": "its Transformer takes no bias from an MLP of the normalised distance, which depends on the "
     "query position as well as the distance",
     "xpos": "its rotary embeddings have no per-position decay of queries and keys",
+    "cope": "its attention has no term computed from gated counts of the keys",
 }
 README = "README.md"
 

@@ -25,7 +25,7 @@ class Section(BaseModel):
 class PositionConfig(Section):
     kind: str = "sinusoidal"
     """Position encoding: none, sinusoidal, learned, shaw, t5, rope, alibi, kerple_log, kerple_power,
-    sandwich, fire or xpos (docs/positions.md)."""
+    sandwich, fire, xpos or cope (docs/positions.md)."""
     encoder: bool = True
     """Use the encoding in encoder self-attention (false: no position information there)."""
     decoder: bool = True
@@ -52,6 +52,8 @@ class PositionConfig(Section):
     """fire: initial threshold L of the normaliser psi(max(L, i)) (learned through a multiplier)."""
     xpos_scale_base: float = Field(512.0, gt=0.0)
     """xpos: gamma, the distance over which a pair's contribution decays by its zeta."""
+    cope_positions: int = Field(64, ge=2)
+    """cope: columns of the contextual position table (counts of gated keys; larger counts take the last)."""
 
     @model_validator(mode="after")
     def _known(self) -> PositionConfig:
@@ -62,6 +64,12 @@ class PositionConfig(Section):
                     f"model.position.{key}={name!r} is not a position encoding; choose one of: "
                     f"{', '.join(POSITIONS.names())}"
                 )
+        if self.cross == "cope":
+            raise ValueError(
+                "model.position.cross=cope: CoPE counts keys from the query's own position, which the "
+                "source sentence does not contain; use cope in self-attention (model.position.kind) "
+                "and cross=none"
+            )
         if "sandwich" in (self.kind, self.cross) and self.sandwich_dim % 2:
             raise ValueError(
                 f"model.position.sandwich_dim ({self.sandwich_dim}) must be even (cosines of d'/2 "
@@ -159,6 +167,7 @@ class ModelConfig(Section):
                 fire_width=p.fire_width,
                 fire_threshold=p.fire_threshold,
                 xpos_scale_base=p.xpos_scale_base,
+                cope_positions=p.cope_positions,
             ),
         )
 
