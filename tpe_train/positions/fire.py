@@ -39,8 +39,9 @@ class FirePosition(PositionEncoding):
         self.hidden = nn.Linear(1, args.fire_width)
         self.left = nn.Linear(args.fire_width, args.n_heads)  # keys at or before the query
         self.right = None if args.causal else nn.Linear(args.fire_width, args.n_heads)  # keys after it
-        self.c = nn.Parameter(torch.tensor(FIRE_INIT_C))
-        self.multiplier = nn.Parameter(torch.tensor(1.0))
+        # shape (1,), not 0-d: DeepSpeed broadcasts parameters as bytes, which a 0-d tensor cannot view
+        self.c = nn.Parameter(torch.tensor([FIRE_INIT_C]))
+        self.multiplier = nn.Parameter(torch.tensor([1.0]))
 
     def head_dims(self) -> dict[str, int]:
         """The output layers hold one row per head; the hidden layer, c and L serve every head."""
