@@ -13,6 +13,7 @@ from support.models import tiny_model
 from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode
 
 from tpe_train.config import ConfigError, load_config
+from tpe_train.evaluation.position_settings import apply_position_settings
 from tpe_train.model.loss import label_smoothed_loss
 from tpe_train.model.transformer import Transformer
 from tpe_train.positions import PositionArgs, PositionEncoding, build_position
@@ -241,3 +242,22 @@ def test_the_older_encodings_give_bitwise_the_outputs_of_the_narrower_interface(
     assert all(torch.equal(now[key], golden[key]) for key in golden), [
         key for key in golden if not torch.equal(now[key], golden[key])
     ]
+
+
+def test_fire_takes_a_test_time_threshold() -> None:
+    model = tiny_model("fire")
+    src, tgt = torch.randint(3, 40, (2, 9)), torch.randint(3, 40, (2, 6))
+    with torch.no_grad():
+        before = model(src, tgt)
+        for enc in model.modules():
+            if isinstance(enc, FirePosition):
+                enc.multiplier.fill_(4.0 / 512)  # a trained L of 4: queries past it normalise by psi(i)
+        trained = model(src, tgt)
+        apply_position_settings(model, ["fire.threshold=4"])
+        assert torch.equal(model(src, tgt), trained)  # the same L, given: bitwise the same
+        apply_position_settings(model, ["fire.threshold=64"])
+        assert not torch.allclose(model(src, tgt), trained, atol=1e-4)
+        apply_position_settings(model, ["fire.threshold=512"])
+        torch.testing.assert_close(model(src, tgt), before)  # L0 = 512: the initial threshold
+    with pytest.raises(ValueError, match=r"fire\.threshold=-1\.0: give a positive threshold"):
+        apply_position_settings(model, ["fire.threshold=-1"])

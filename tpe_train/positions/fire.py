@@ -13,6 +13,8 @@ One module serves every layer of a stack, as T5's table does (``shared_bias``).
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 from torch import Tensor, nn
 
@@ -34,6 +36,11 @@ class FirePosition(PositionEncoding):
     shared_bias = True
     tp_split = "heads"
 
+    settings: ClassVar[dict[str, str]] = {
+        "threshold": "L at test time (positions) in place of the learned |m| L0: the query position up to "
+        "which distances are normalised by psi(L) rather than by psi(i)",
+    }
+
     def __init__(self, args: PositionArgs) -> None:
         super().__init__(args)
         self.hidden = nn.Linear(1, args.fire_width)
@@ -42,6 +49,19 @@ class FirePosition(PositionEncoding):
         # shape (1,), not 0-d: DeepSpeed broadcasts parameters as bytes, which a 0-d tensor cannot view
         self.c = nn.Parameter(torch.tensor([FIRE_INIT_C]))
         self.multiplier = nn.Parameter(torch.tensor([1.0]))
+        self.threshold: float | None = None  # test time (``adapt``): L itself
+
+    def adapt(self, **settings: str) -> None:
+        """``threshold=L``: normalise by psi(max(L, i)) with this L instead of the learned one (FIRE's
+        test-time lever: a larger L keeps longer queries on the normaliser of the trained ones)."""
+        super().adapt(**settings)
+        if "threshold" not in settings:
+            self.threshold = None
+            return
+        value = self.setting(settings, "threshold", float, 0.0)
+        if not value > 0:
+            raise ValueError(f"fire.threshold={value}: give a positive threshold")
+        self.threshold = value
 
     def head_dims(self) -> dict[str, int]:
         """The output layers hold one row per head; the hidden layer, c and L serve every head."""
@@ -66,6 +86,8 @@ class FirePosition(PositionEncoding):
         wide = torch.promote_types(self.c.dtype, torch.float32)  # fp32, or fp64 for an fp64 reference
         c = self.c.to(wide).abs()
         threshold = (self.multiplier.to(wide) * self.args.fire_threshold).abs()
+        if self.threshold is not None:
+            threshold = torch.full_like(threshold, self.threshold)
         rel = (k_pos[None, :] - q_pos[:, None]).abs().to(wide)
         norm = torch.log(c * torch.maximum(q_pos.to(wide), threshold) + 1) + FIRE_EPS
         return torch.log(c * rel + 1) / norm[:, None]
