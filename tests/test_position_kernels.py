@@ -261,3 +261,14 @@ def test_fire_takes_a_test_time_threshold() -> None:
         torch.testing.assert_close(model(src, tgt), before)  # L0 = 512: the initial threshold
     with pytest.raises(ValueError, match=r"fire\.threshold=-1\.0: give a positive threshold"):
         apply_position_settings(model, ["fire.threshold=-1"])
+
+
+def test_xpos_takes_ropes_test_time_settings() -> None:
+    model = tiny_model("xpos")
+    src, tgt = torch.randint(3, 40, (2, 9)), torch.randint(3, 40, (2, 6))
+    with torch.no_grad():
+        trained = model(src, tgt)
+        apply_position_settings(model, ["xpos.scaling=ntk", "xpos.factor=1"])
+        assert torch.equal(model(src, tgt), trained)  # factor 1: bitwise the model
+        apply_position_settings(model, ["xpos.scaling=ntk", "xpos.factor=4"])
+        assert not torch.allclose(model(src, tgt), trained, atol=1e-4)
