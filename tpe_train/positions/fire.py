@@ -89,8 +89,8 @@ class FirePosition(PositionEncoding):
         if self.threshold is not None:
             threshold = torch.full_like(threshold, self.threshold)
         rel = (k_pos[None, :] - q_pos[:, None]).abs().to(wide)
-        norm = torch.log(c * torch.maximum(q_pos.to(wide), threshold) + 1) + FIRE_EPS
-        return torch.log(c * rel + 1) / norm[:, None]
+        norm = torch.log1p(c * torch.maximum(q_pos.to(wide), threshold)) + FIRE_EPS
+        return torch.log1p(c * rel) / norm[:, None]
 
     @staticmethod
     def linear(layer: nn.Linear, x: Tensor) -> Tensor:
