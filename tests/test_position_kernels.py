@@ -272,3 +272,25 @@ def test_xpos_takes_ropes_test_time_settings() -> None:
         assert torch.equal(model(src, tgt), trained)  # factor 1: bitwise the model
         apply_position_settings(model, ["xpos.scaling=ntk", "xpos.factor=4"])
         assert not torch.allclose(model(src, tgt), trained, atol=1e-4)
+
+
+@pytest.mark.parametrize("kind", ["kerple_log", "kerple_power", "sandwich"])
+def test_a_test_time_distance_scale_reads_the_trained_bias_at_scaled_distances(kind: str) -> None:
+    enc = trained(kind, causal=False)
+    q = torch.zeros(1, 4, 6, 8)
+    plain = bias(enc)
+    enc.adapt(distance_scale="1")
+    assert torch.equal(bias(enc), plain)  # 1: bitwise
+    enc.adapt(distance_scale="2")
+    doubled = enc.attn_bias(q, 2 * Q_POS, 2 * K_POS)
+    assert doubled is not None
+    torch.testing.assert_close(doubled[0], plain)  # twice as far, the same bias
+    assert not torch.allclose(bias(enc), plain)
+    with pytest.raises(ValueError, match=r"distance_scale=0\.0: give a positive factor"):
+        enc.adapt(distance_scale="0")
+    model = tiny_model(kind)
+    src, tgt = torch.randint(3, 40, (2, 9)), torch.randint(3, 40, (2, 6))
+    with torch.no_grad():
+        before = model(src, tgt)
+        assert apply_position_settings(model, [f"{kind}.distance_scale=1"])
+        assert torch.equal(model(src, tgt), before)

@@ -9,6 +9,8 @@ every layer; rows are per global head, so a tensor-parallel rank keeps only its 
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -22,6 +24,14 @@ KERPLE_EPS = 0.01
 def inverse_softplus(x: Tensor) -> Tensor:
     """The raw value whose softplus is ``x`` (> 0)."""
     return x + torch.log(-torch.expm1(-x))
+
+
+def read_scale(settings: dict[str, str]) -> float:
+    """The ``distance_scale`` setting (default 1); ValueError for one not positive."""
+    scale = PositionEncoding.setting(settings, "distance_scale", float, 1.0)
+    if not scale > 0:
+        raise ValueError(f"distance_scale={scale}: give a positive factor")
+    return scale
 
 
 def distance(q_pos: Tensor, k_pos: Tensor) -> Tensor:
@@ -43,12 +53,23 @@ class _Kernel(PositionEncoding):
     #: the upper bounds of the initial uniform draws of (r1, r2)
     init: tuple[float, float] = (1.0, 1.0)
 
+    settings: ClassVar[dict[str, str]] = {
+        "distance_scale": "divide every distance by this factor at test time (above 1: longer inputs see "
+        "the trained range of distances)",
+    }
+
     def __init__(self, args: PositionArgs) -> None:
         super().__init__(args)
+        self.distance_scale = 1.0
         h = args.n_heads
         draws = [(torch.rand(h) * top).clamp(min=2 * KERPLE_EPS) for top in self.init]
         self.r1 = nn.Parameter(self.raw(draws[0], 0))
         self.r2 = nn.Parameter(self.raw(draws[1], 1))
+
+    def adapt(self, **settings: str) -> None:
+        """``distance_scale=s``: the kernel at |i - j| / s (1: the trained bias, bitwise)."""
+        super().adapt(**settings)
+        self.distance_scale = read_scale(settings)
 
     def raw(self, value: Tensor, which: int) -> Tensor:
         """The stored value of parameter ``which`` (0: r1, 1: r2) that gives ``value``."""
@@ -77,13 +98,18 @@ class _Kernel(PositionEncoding):
     def attn_bias(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
         r1, r2 = self.params()
         d = distance(q_pos, k_pos).to(r1.dtype)  # (Lq, Lk)
+        if self.distance_scale != 1.0:
+            d = d / self.distance_scale
         return self.kernel(r1[:, None, None], r2[:, None, None], d).unsqueeze(0).to(q.dtype)
 
     def score_mod(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> ScoreMod | None:
         r1, r2 = self.params()  # (h,) of the global heads self.heads
+        scale = 1.0 / self.distance_scale
 
         def mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
             d = (k_pos[kv_idx] - q_pos[q_idx]).abs().to(r1.dtype)
+            if scale != 1.0:
+                d = d * scale
             return score + self.kernel(r1[h], r2[h], d).to(score.dtype)
 
         return mod
@@ -149,12 +175,19 @@ class SandwichPosition(PositionEncoding):
     shared_bias = True
     tp_split = "heads"
     scales: Tensor
+    settings = _Kernel.settings
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__(args)
+        self.distance_scale = 1.0
         if args.sandwich_dim % 2:
             raise ValueError(f"sandwich needs an even sandwich_dim, got {args.sandwich_dim}")
         self.register_buffer("scales", sandwich_scales(args.n_heads, self.heads), persistent=False)
+
+    def adapt(self, **settings: str) -> None:
+        """``distance_scale=s``: the bias at (i - j) / s (1: the trained bias, bitwise)."""
+        super().adapt(**settings)
+        self.distance_scale = read_scale(settings)
 
     def keep_heads(self, heads: list[int]) -> None:
         super().keep_heads(heads)
@@ -162,6 +195,8 @@ class SandwichPosition(PositionEncoding):
 
     def attn_bias(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> Tensor | None:
         d = k_pos[None, :] - q_pos[:, None]  # (Lq, Lk)
+        if self.distance_scale != 1.0:
+            d = d / self.distance_scale
         wide = torch.float64 if q.dtype == torch.float64 else torch.float32  # fp64: an exact reference
         term = sandwich_kernel(d, self.args.sandwich_dim, wide)
         scales = self.scales.to(device=q.device, dtype=term.dtype)
