@@ -294,3 +294,15 @@ def test_a_test_time_distance_scale_reads_the_trained_bias_at_scaled_distances(k
         before = model(src, tgt)
         assert apply_position_settings(model, [f"{kind}.distance_scale=1"])
         assert torch.equal(model(src, tgt), before)
+
+
+def test_flex_takes_the_test_time_distance_scale_as_the_dense_path() -> None:
+    src, tgt = torch.randint(3, 40, (2, 9)), torch.randint(3, 40, (2, 6))
+    outs = []
+    for backend in ("explicit", "flex"):
+        torch.manual_seed(0)
+        model = tiny_model("kerple_power", attention=backend)
+        apply_position_settings(model, ["kerple_power.distance_scale=3"])
+        with torch.no_grad():
+            outs.append(model(src, tgt))
+    torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
