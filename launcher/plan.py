@@ -28,7 +28,22 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT_DIR = ROOT / "configs" / "accelerate"
-POSITION_SWEEP = ("none", "sinusoidal", "learned", "shaw", "t5", "alibi", "rope")  # array index -> kind
+#: array index -> kind (the newer encodings after the first seven, whose indices stay as they were)
+POSITION_SWEEP = (
+    "none",
+    "sinusoidal",
+    "learned",
+    "shaw",
+    "t5",
+    "alibi",
+    "rope",
+    "kerple_log",
+    "kerple_power",
+    "sandwich",
+    "fire",
+    "xpos",
+    "cope",
+)
 PORT_BASE, PORT_SPAN = 20000, 10000  # job ports: 20000 + job id % 10000, below the ephemeral range
 LOCAL_PORT = 0  # outside Slurm: accelerate picks a free port
 

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from tpe_train.positions import POSITIONS
+
 pytestmark = pytest.mark.integration
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,7 +26,7 @@ BENCHMARKS = ROOT / "benchmarks"
 LIBRARIES = {"harness.py", "peers.py"}  # imported by the scripts, not run
 GPU_CHECKS = sorted(f"gpu/{p.name}" for p in (BENCHMARKS / "gpu").glob("*.py") if p.name != "__init__.py")
 SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if p.name not in LIBRARIES) + GPU_CHECKS
-KINDS = ["none", "sinusoidal", "learned", "shaw", "t5", "alibi", "rope"]
+KINDS = POSITIONS.names()  # the benchmarks measure every registered encoding
 
 
 def check_train(out: Path, stdout: str) -> None:
@@ -106,7 +108,11 @@ def check_parallel(out: Path, stdout: str) -> None:
 
 def check_gpu_attention(out: Path, stdout: str) -> None:
     grads = json.loads((out / "grads.json").read_text())
-    assert len(grads) == len(KINDS) + 1 and all(g["worst_relative"] <= 1e-5 for g in grads.values())
+    assert len(grads) == len(KINDS) + 1
+    # FIRE's c is one number whose gradient sums, over every query, key and head, softmax gradients that
+    # cancel along each row: fp32 against fp64 measured 1.1e-5 relative there, within gradcheck's 1e-4
+    assert all(g["worst_relative"] <= 1e-5 for k, g in grads.items() if k != "fire"), grads
+    assert grads["fire"]["worst_relative"] <= 1e-4
     bench = json.loads((out / "bench.json").read_text())
     assert {r["group"] for r in bench["train"]} == {"t5", "rope"} and bench["hf"] and bench["decode"]
     assert "dry run" in (out / "summary.txt").read_text()

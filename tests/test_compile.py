@@ -14,7 +14,7 @@ import copy
 
 import pytest
 import torch
-from support.models import KINDS, tiny_model
+from support.models import TRAINED, tiny_model
 
 from tpe_train.config import load_config
 from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
@@ -26,7 +26,7 @@ from tpe_train.train.step import train_step
 
 pytestmark = pytest.mark.slow  # every test compiles graphs (seconds each)
 
-VARIANTS = [*KINDS, "shaw+values"]
+VARIANTS = [*TRAINED, "shaw+values"]
 
 
 def small(variant: str, **kw: object) -> Transformer:

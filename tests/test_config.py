@@ -164,7 +164,7 @@ def test_the_model_sections_defaults_and_fields_are_the_models_own() -> None:
     ``PositionArgs``', and ``ModelConfig.args`` hands over every field those take."""
     import dataclasses
 
-    from tpe_train.config.sections import MODEL_FIELDS, POSITION_FIELDS, ModelConfig
+    from tpe_train.config.model_sections import MODEL_FIELDS, POSITION_FIELDS, ModelConfig
     from tpe_train.model.args import ModelArgs
     from tpe_train.positions import PositionArgs
 

@@ -63,7 +63,10 @@ def _decode(model: Transformer | Ensemble, src: torch.Tensor) -> Decoded:
     return greedy(model, src, 1.0, 5), beam_search_nbest(model, src, 3, 0.6, 1.0, 5)
 
 
-@pytest.mark.parametrize("kind", ["sinusoidal", "rope", "learned"])
+@pytest.mark.parametrize(
+    "kind",
+    ["sinusoidal", "rope", "learned", "kerple_log", "kerple_power", "sandwich", "fire", "xpos", "cope"],
+)
 def test_an_ensemble_of_one_model_or_of_it_twice_decodes_exactly_as_the_model(kind: str) -> None:
     model, src = tiny_model(kind), _src()
     alone = _decode(model, src)

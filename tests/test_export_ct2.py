@@ -11,7 +11,7 @@ from pathlib import Path
 import ctranslate2
 import pytest
 import torch
-from support.models import KINDS, tiny_model
+from support.models import KINDS, TRAINED, tiny_model
 from tokenizers import Tokenizer
 
 from tpe_train.ckpt.ct2 import (
@@ -66,7 +66,7 @@ def _our_log_probs(model: Transformer, tok: Tokenizer, src: list[str], tgt: list
 
 
 VARIANTS = [
-    *[(kind, {}) for kind in KINDS],
+    *[(kind, {}) for kind in TRAINED],
     ("sinusoidal", {"pre_norm": True}),
     ("rope", {"pre_norm": True}),
     ("shaw", {"shaw_values": True}),
@@ -128,7 +128,7 @@ def _trained(kind: str, tok: Tokenizer, pairs: list[tuple[str, str]]) -> Transfo
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", TRAINED)
 def test_greedy_and_beam_outputs_equal_ours(
     kind: str, corpus: tuple[Tokenizer, list[tuple[str, str]]], cfg: Config, tmp_path: Path
 ) -> None:
@@ -214,3 +214,14 @@ def test_what_cannot_be_written_is_refused_with_the_reason(
     with pytest.raises(CheckpointError, match=r"tokenizer has \d+ tokens but the model's embedding 40 rows"):
         export_ctranslate2(tiny_model("sinusoidal"), cfg, tok, tmp_path / "c", "float32")
     assert not any(tmp_path.iterdir())  # refused before anything was written
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k not in TRAINED])
+def test_encodings_without_a_ct2_form_are_refused_with_the_reason(
+    kind: str, corpus: tuple[Tokenizer, list[tuple[str, str]]], cfg: Config, tmp_path: Path
+) -> None:
+    tok, _ = corpus
+    model = tiny_model(kind, vocab_size=tok.get_vocab_size(), encoder_position="sinusoidal")
+    with pytest.raises(CheckpointError, match=rf"decoder's position encoding '{kind}' cannot be exported"):
+        export_ctranslate2(model, cfg, tok, tmp_path / "out", "float32")
+    assert not any(tmp_path.iterdir())

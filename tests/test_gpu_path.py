@@ -232,6 +232,10 @@ def _ops(kind: str, layers: int) -> _Count:
 #: backward), t5 -2 (+66), alibi -5 (+28), sinusoidal 0 (+32), learned 0 (+12). ``none`` itself: 1050
 #: ops for 2 + 2 layers. 2026-12-05: rope 46 per layer (+44 per model), its half swap one ``roll`` of
 #: a product instead of two slices and a ``cat`` of the input (and their two ``slice_backward``).
+#: 2026-12-06: kerple_log -2 (+83 per model), kerple_power -2 (+101), sandwich -5 (+44), fire -2 (+237:
+#: its MLP over the (Lq, Lk) distances and the backward, once per stack), xpos 46 (+94: RoPE's tables
+#: for queries and keys apart, each with its decay), cope 232 (+0: gates from q.k^T, their cumulative
+#: sum, four gathers and q.e per layer, forward and backward).
 BUDGET = {
     "none": (0, 0),
     "sinusoidal": (0, 40),
@@ -240,6 +244,12 @@ BUDGET = {
     "t5": (2, 72),
     "alibi": (2, 32),
     "rope": (48, 48),
+    "kerple_log": (2, 88),
+    "kerple_power": (2, 106),
+    "sandwich": (2, 48),
+    "fire": (2, 244),
+    "xpos": (48, 100),
+    "cope": (240, 8),
 }
 
 

@@ -191,10 +191,14 @@ def test_impossible_layout_stops_the_trainer_before_any_work(tmp_path: Path) -> 
     assert not run_dir.exists()  # nothing written
 
 
-@pytest.mark.parametrize("kind", ["t5", "alibi"])
+@pytest.mark.parametrize("kind", ["t5", "alibi", "kerple_log", "kerple_power", "sandwich", "fire"])
 def test_head_tables_are_sliced_by_rank(kind: str) -> None:
-    """Each of two TP ranks stores half the table and builds the rows of its own global heads."""
+    """Each of two TP ranks stores half the table and builds the rows of its own global heads (FIRE:
+    half of its output layer; its hidden layer, c and L whole on each rank, their gradient summed)."""
     full = tiny_model(kind)
+    with torch.no_grad():  # trained-looking parameters: no two heads alike
+        for param in full.encoder.pos(0).parameters():
+            param.add_(torch.randn_like(param) * 0.1)
     q, pos = torch.randn(1, 4, 5, 8), torch.arange(5)
     expected = full.encoder.pos(0).attn_bias(q, pos, pos)
     parts = []
@@ -203,7 +207,15 @@ def test_head_tables_are_sliced_by_rank(kind: str) -> None:
         shard_positions(model, ParallelContext.fake(world_size=2, rank=rank, tp_size=2))
         enc = model.encoder.pos(0)
         parts.append(enc.attn_bias(q[:, enc.heads], pos, pos))
-        assert position_bytes(model) == position_bytes(full) // 2
+        if kind != "fire":
+            assert position_bytes(model) == position_bytes(full) // 2
+            continue
+        for stack in (model.encoder, model.decoder):
+            fire = stack.pos(0)
+            rows = [p for n, p in fire.named_parameters() if n in fire.head_dims()]
+            shared = [p for n, p in fire.named_parameters() if n not in fire.head_dims()]
+            assert rows and all(p.shape[0] == 2 and p.tp_dim == 0 for p in rows)  # type: ignore[attr-defined]
+            assert shared and all(p._backward_hooks for p in shared)  # summed over the group
     assert expected is not None
     torch.testing.assert_close(torch.cat(parts, dim=1), expected)  # type: ignore[arg-type]
 

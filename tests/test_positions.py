@@ -164,4 +164,7 @@ def test_learned_longer_input_is_a_clear_error() -> None:
 def test_registry_lists_choices_on_a_typo() -> None:
     with pytest.raises(KeyError, match="choose one of: none, sinusoidal, learned"):
         POSITIONS.get("rotary")
-    assert set(POSITIONS.names()) == {"none", "sinusoidal", "learned", "shaw", "t5", "rope", "alibi"}
+    assert set(POSITIONS.names()) == {
+        *("none", "sinusoidal", "learned", "shaw", "t5", "rope", "alibi"),
+        *("kerple_log", "kerple_power", "sandwich", "fire", "xpos", "cope"),
+    }

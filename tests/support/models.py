@@ -7,6 +7,9 @@ from tpe_train.model.transformer import Transformer
 from tpe_train.positions import POSITIONS, PositionArgs
 
 KINDS = POSITIONS.names()
+#: the encodings that the slow tests (training to a loss, compiling, exporting and decoding) cover; the
+#: others are covered there by the fast tests of the same properties (tests/test_position_kernels.py)
+TRAINED = ["none", "sinusoidal", "learned", "shaw", "t5", "alibi", "rope"]
 
 
 def tiny_model(kind: str, **kw: object) -> Transformer:

@@ -101,6 +101,19 @@ REPRESENTED = {
     "rope": "rotary embeddings, half-split",
     "alibi": "ALiBi (decoder); a T5 bias with exact buckets (encoder)",
 }
+#: the encodings CTranslate2 cannot represent, with the reason
+UNREPRESENTED = {
+    "kerple_log": "its Transformer takes no learned kernel bias -r1 log(1 + r2 |i-j|), and a T5 bucket "
+    "table would be exact only where each distance has its own bucket",
+    "kerple_power": "its Transformer takes no learned kernel bias -r1 |i-j|^r2, and a T5 bucket table "
+    "would be exact only where each distance has its own bucket",
+    "sandwich": "its Transformer takes no sinusoidal-product bias, and a T5 bucket table would be exact "
+    "only where each distance has its own bucket",
+    "fire": "its Transformer takes no bias from an MLP of the normalised distance, which depends on the "
+    "query position as well as the distance",
+    "xpos": "its rotary embeddings have no per-position decay of queries and keys",
+    "cope": "its attention has no term computed from gated counts of the keys",
+}
 README = "README.md"
 
 
@@ -121,6 +134,11 @@ def check_exportable(model: Transformer, tok: Tokenizer, quantization: str) -> N
             "keys, biases, rotary embeddings or ALiBi); only models with cross=none export"
         )
     for side, kind in (("encoder", a.encoder_position), ("decoder", a.decoder_position)):
+        if kind in UNREPRESENTED:
+            raise CheckpointError(
+                f"the {side}'s position encoding {kind!r} cannot be exported to CTranslate2: "
+                f"{UNREPRESENTED[kind]}; exportable: {', '.join(REPRESENTED)}"
+            )
         if kind not in REPRESENTED:
             raise CheckpointError(
                 f"the {side}'s position encoding {kind!r} has no CTranslate2 form here; exportable: "

@@ -353,14 +353,16 @@ class Attention(nn.Module):
         causal = mask.causal and q.shape[2] > 1
         p = self.dropout if self.training else 0.0
         backend = choose_backend(self.backend, pos) if self.probe is None else "explicit"
+        keyed = pos.key_bias(q, k, q_pos, k_pos, keep) if pos.needs_keys else None  # CoPE
         if backend == "flex":
             block = mask.block_mask(q.shape[0], q.shape[2], k.shape[2], repeat)
-            out = _flex(q, k, v, pos.score_mod(q, q_pos, k_pos), block)
+            mod = pos.score_mod(q, q_pos, k_pos) if keyed is None else _lookup(keyed)
+            out = _flex(q, k, v, mod, block)
         else:
             # T5/ALiBi: one dense mask per batch and attention kind, shared by the layers (Mask.dense;
             # its causality is the Mask's: for one decoded query no key lies in its future anyway)
             shared = pos.has_bias and pos.shared_bias and repeat == 1 and not beams
-            bias = pos.attn_bias(q, q_pos, k_pos) if pos.has_bias and not shared else None
+            bias = pos.attn_bias(q, q_pos, k_pos) if pos.has_bias and not shared else keyed
 
             def folded() -> Tensor | None:
                 if shared:
@@ -402,6 +404,15 @@ class Attention(nn.Module):
         if pos.needs_weights:
             out = out + pos.value_term(weights, q_pos, k_pos)
         return out
+
+
+def _lookup(bias: Tensor) -> ScoreMod:
+    """FlexAttention's score_mod adding a dense (B, H, Lq, Lk) term (one that needs the keys)."""
+
+    def mod(score: Tensor, b: Tensor, h: Tensor, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+        return score + bias[b, h, q_idx, kv_idx].to(score.dtype)
+
+    return mod
 
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float, is_causal: bool = False) -> Tensor:

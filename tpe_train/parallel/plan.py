@@ -6,8 +6,10 @@ after the row-parallel product. Attention infers its local head count from the s
 so the model code never knows. AutoTP does not know our position encodings; this file shards them,
 by what each encoding declares in ``tp_split``:
 
-- ``heads`` (T5 bias table, ALiBi slopes): each rank keeps the columns/slopes of the heads it owns,
-  computed from the global head indices (``PositionEncoding.keep_heads``);
+- ``heads`` (T5 bias table, ALiBi slopes, KERPLE's kernel parameters, FIRE's output layer): each rank
+  keeps the columns/slopes/rows of the heads it owns, computed from the global head indices
+  (``PositionEncoding.keep_heads``); parameters shared by the heads (FIRE's hidden layer, c and L)
+  stay whole on every rank, their gradient summed over the group (``PositionEncoding.head_dims``);
 - ``positions`` (learned absolute table): split along positions; a lookup is masked to the rows the
   rank holds and all-reduced, as a vocabulary-parallel embedding does;
 - ``replicated`` with parameters (Shaw's relative tables, shared by all heads of a layer): every
@@ -98,8 +100,12 @@ def shard_positions(model: nn.Module, ctx: ParallelContext) -> None:
             continue
         if module.tp_split == "heads":
             module.keep_heads(ctx.heads(module.args.n_heads))
-            for param in module.parameters():
-                mark_split(param, dim=param.dim() - 1)  # T5: (buckets, heads)
+            dims = module.head_dims()  # T5: (buckets, heads) along 1; FIRE: its output rows
+            for name, param in module.named_parameters():
+                if name in dims:
+                    mark_split(param, dim=dims[name])
+                else:
+                    param.register_hook(sum_over(ctx.tp_group))
         elif module.tp_split == "positions":
             table = getattr(module, "table")  # noqa: B009 - the encoding's declared table
             module.table = PositionParallelEmbedding(table, ctx)

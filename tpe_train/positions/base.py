@@ -6,6 +6,9 @@ Attention calls all three hooks and never branches on an encoding's name:
 - ``rotate(q, k, q_pos, k_pos)``: a rotation of queries and keys (RoPE).
 - ``attn_bias(q, q_pos, k_pos)``: additive attention logits (T5 buckets, ALiBi, Shaw's relative keys).
 
+An encoding whose logits need the keys too (CoPE) sets ``needs_keys``; attention then calls
+``key_bias(q, k, q_pos, k_pos, keep)`` in place of ``attn_bias``.
+
 FlexAttention takes the same logit term as a ``score_mod`` (``score_mod(q, q_pos, k_pos)``): a function
 of one score and its (batch, head, query index, key index) that never builds the dense (B, H, Lq, Lk)
 bias. The base class derives it from ``attn_bias`` (correct for any encoding, dense); encodings whose
@@ -56,6 +59,11 @@ class PositionArgs:
     cape_jitter: float = 0.5  # cape: per-position jitter ~ U[-e, e]
     cape_scale: float = 1.03  # cape: scale, log-uniform in [1/s, s]
     randomized_range: int = 1024  # randomized: positions drawn from {0..R-1}
+    sandwich_dim: int = 128  # Sandwich: d', the width of the sinusoidal embeddings whose product is the bias
+    fire_width: int = 32  # FIRE: hidden units of the MLP f
+    fire_threshold: float = 512.0  # FIRE: initial L of the normaliser psi(max(L, i))
+    xpos_scale_base: float = 512.0  # xPos: gamma, the distance over which the decay is zeta
+    cope_positions: int = 64  # CoPE: columns of the position table (larger counts take the last)
 
     @property
     def head_dim(self) -> int:
@@ -75,6 +83,8 @@ class PositionEncoding(nn.Module):
     #: layer of a stack (T5, ALiBi): attention folds it into its dense mask once per batch and attention
     #: kind and shares that mask, and its backward, across the layers
     shared_bias: ClassVar[bool] = False
+    #: the logit term needs the keys as well as the queries (CoPE): attention calls ``key_bias``
+    needs_keys: ClassVar[bool] = False
     #: how tensor parallelism treats this encoding's tables: "heads" (one column per head, narrowed by
     #: ``keep_heads``), "positions" (an absolute table split along positions) or "replicated"
     tp_split: ClassVar[str] = "replicated"
@@ -125,6 +135,12 @@ class PositionEncoding(nn.Module):
         """
         return None
 
+    def key_bias(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor, keep: Tensor | None) -> Tensor:
+        """For ``needs_keys`` encodings: the additive logits (B, H, Lq, Lk) from queries (B, H, Lq, hd)
+        and keys (B, H, Lk, hd); ``keep`` (B, 1, 1, Lk) is False at padded keys. Every backend takes it
+        (flex as a lookup in it); encodings without ``needs_keys`` never see the keys."""
+        raise NotImplementedError
+
     def score_mod(self, q: Tensor, q_pos: Tensor, k_pos: Tensor) -> ScoreMod | None:
         """``attn_bias`` as FlexAttention's ``score_mod``: ``score + bias[b, h, q_idx, kv_idx]``, or None.
 
@@ -165,6 +181,12 @@ class PositionEncoding(nn.Module):
         value = build()
         memo[key] = (positions, dtype, value)
         return value
+
+    def head_dims(self) -> dict[str, int]:
+        """For ``tp_split = "heads"``: the dimension of each parameter (by name) that holds one entry per
+        head, narrowed by ``keep_heads``; a parameter not named serves every head (each rank keeps all
+        of it, its gradient summed over the group). Default: every parameter, along its last dimension."""
+        return {name: param.dim() - 1 for name, param in self.named_parameters()}
 
     def keep_heads(self, heads: list[int]) -> None:
         """Serve only the global heads ``heads`` (a tensor-parallel rank's share): per-head tables and

@@ -12,12 +12,12 @@ from torch import Tensor
 from tpe_train.positions.base import POSITIONS, PositionArgs, PositionEncoding
 
 
-def check_head_dim(head_dim: int) -> None:
+def check_head_dim(head_dim: int, kind: str = "rope") -> None:
     """Refuse an odd head dimension (RoPE rotates pairs of features): where the config is loaded, and
     where the encoding is built without one."""
     if head_dim % 2:
         raise ValueError(
-            f"rope needs an even head dimension, but d_model/n_heads = {head_dim}; "
+            f"{kind} needs an even head dimension, but d_model/n_heads = {head_dim}; "
             "change model.d_model or model.n_heads"
         )
 
@@ -93,15 +93,18 @@ class RotaryPosition(PositionEncoding):
             return (emb.cos() * self.mscale).float(), (emb.sin() * self.mscale).float()
         return emb.cos().float(), emb.sin().float()
 
-    def tables(self, pos: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    def tables(self, pos: Tensor, dtype: torch.dtype, scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
         """cos, and the signed sin with its halves swapped, as (L, 1, hd) in ``dtype``.
 
         The half-split rotation is x * cos + swap(x) * s with s = (-sin, +sin) on the (first, second)
         half. swap is its own inverse, so swap(x) * s = swap(x * swap(s)), and swap(s) = (+sin, -sin)
         is what is returned: the swap then acts on a fresh dense product, as one ``roll``. A swap of
         the strided projection view itself took two slices and a ``cat`` (and in the backward two
-        ``slice_backward``, each a zero-filled copy): 18 aten ops a rotation, 12 now."""
+        ``slice_backward``, each a zero-filled copy): 18 aten ops a rotation, 12 now. ``scale``: a
+        factor per position and dimension, equal on the two halves (xPos), folded into both tables."""
         cos, sin = self.cos_sin(pos)
+        if scale is not None:  # (L, hd) float32, the same on both halves (xPos)
+            cos, sin = cos * scale, sin * scale
         half = sin.shape[-1] // 2
         swapped_signed = torch.cat((sin[..., half:], -sin[..., :half]), dim=-1)
         return cos.to(dtype)[..., None, :], swapped_signed.to(dtype)[..., None, :]
@@ -127,4 +130,48 @@ class RotaryPosition(PositionEncoding):
         q = self._rotated(q, q_pos)
         if k.shape[-2]:  # cross-attention with a cached memory passes no keys
             k = self._rotated(k, k_pos)
+        return q, k
+
+
+@POSITIONS.register("xpos")
+class XposPosition(RotaryPosition):
+    """xPos (Sun et al. 2023): RoPE with queries scaled by zeta^(i/gamma) and keys by zeta^(-j/gamma),
+    so that each rotated pair's contribution to q_i . k_j decays as zeta^((i - j)/gamma), with
+    zeta_k = (2k/hd + 0.4) / 1.4 for the pair k < hd/2 (low frequencies decay least) and gamma
+    ``model.position.xpos_scale_base`` (512 in the paper).
+
+    Decoder self-attention only (``causal``): the scaling is a decay only for keys at or before the
+    query; for keys after it (the encoder) it grows with the distance. A symmetric decay
+    zeta^(|i - j|/gamma) is no product of a per-query and a per-key scale, so it cannot ride on the
+    rotation (it would take two score matrices per call, outside every fused kernel): the encoder and
+    cross-attention take plain RoPE. Positions are not centred (the reference centres them against
+    overflow over long documents): at translation lengths zeta^(+-n/gamma) stays within
+    [0.08, 12.3] for n <= 1024."""
+
+    #: the paper's gamma_0 of zeta_k = (2k/hd + gamma_0) / (1 + gamma_0)
+    zeta_offset = 0.4
+
+    def zeta(self, device: torch.device) -> Tensor:
+        """zeta_k of each dimension in the half-split layout: (hd,) float64."""
+        hd = self.args.head_dim
+        two_k = torch.arange(0, hd, 2, dtype=torch.float64, device=device)
+        z = (two_k / hd + self.zeta_offset) / (1 + self.zeta_offset)
+        return torch.cat((z, z))
+
+    def decay(self, pos: Tensor, sign: float) -> Tensor:
+        """zeta^(sign * pos / gamma): (L, hd) float32."""
+        exponent = sign * pos.to(torch.float64)[:, None] / self.args.xpos_scale_base
+        return torch.pow(self.zeta(pos.device)[None, :], exponent).float()
+
+    def _scaled(self, x: Tensor, pos: Tensor, sign: float, key: str) -> Tensor:
+        cos, sin = self.memo(key, (pos,), x.dtype, lambda: self.tables(pos, x.dtype, self.decay(pos, sign)))
+        t = x.transpose(1, 2)  # (B, L, H, hd), as RoPE
+        return (t * cos + (t * sin).roll(t.shape[-1] // 2, dims=-1)).transpose(1, 2)
+
+    def rotate(self, q: Tensor, k: Tensor, q_pos: Tensor, k_pos: Tensor) -> tuple[Tensor, Tensor]:
+        if not self.args.causal:
+            return super().rotate(q, k, q_pos, k_pos)
+        q = self._scaled(q, q_pos, 1.0, "xpos_q")
+        if k.shape[-2]:
+            k = self._scaled(k, k_pos, -1.0, "xpos_k")
         return q, k
