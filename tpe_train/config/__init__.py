@@ -11,6 +11,7 @@ documentation.
 every key in docs/config.md (``python -m tpe_train.config``). Everything is importable from here.
 """
 
+from tpe_train.config import plugins  # the user's own encodings, read at the first lookup
 from tpe_train.config.loading import (
     PRESET_DIR,
     format_errors,
@@ -54,6 +55,7 @@ __all__ = [
     "load_config",
     "markdown_reference",
     "parse_overrides",
+    "plugins",
     "preset_path",
     "validate",
 ]

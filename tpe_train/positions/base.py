@@ -71,6 +71,9 @@ class PositionEncoding(nn.Module):
     #: how tensor parallelism treats this encoding's tables: "heads" (one column per head, narrowed by
     #: ``keep_heads``), "positions" (an absolute table split along positions) or "replicated"
     tp_split: ClassVar[str] = "replicated"
+    #: why this encoding has no exported form (CTranslate2, transformers): the exporters' refusal quotes
+    #: it (an encoding of the user's own package may say what it would take); None: the default reason
+    export_note: ClassVar[str | None] = None
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()
