@@ -2,7 +2,8 @@
 measure the GEMM peak and memory, and write their figures.
 
 Scripts import it as ``from harness import ...`` (``python benchmarks/x.py`` puts ``benchmarks/`` first
-on ``sys.path``; the package itself is installed). The Hugging Face peers are in ``peers.py``.
+on ``sys.path``; the package itself is installed), the GPU checks of ``gpu/`` as ``benchmarks.harness``.
+The Hugging Face peers are in ``peers.py``, which imports this module (never the other way).
 
 - **Timing** (``interleave``): every row warmed up first (its untimed steps), then rounds of one timed
   step per row, the order rotated every round, so that a load change on a shared machine hits all rows
@@ -413,10 +414,12 @@ class TrainRow:
         """Hook: what a row changes on a model shared with other rows (backend, compilation)."""
 
     def logits(self, b: Batch) -> Tensor:
-        if self.hf:
-            from peers import hf_logits
-
-            return hf_logits(self.model, b.src, b.tgt_in)
+        if self.hf:  # a Hugging Face encoder-decoder's training forward, no cache
+            mask = (b.src != PAD_ID).long()
+            out = self.model(
+                input_ids=b.src, attention_mask=mask, decoder_input_ids=b.tgt_in, use_cache=False
+            )
+            return out.logits
         return self.model(b.src, b.tgt_in)  # type: ignore[no-any-return]
 
     def step(self) -> None:

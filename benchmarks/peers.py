@@ -94,14 +94,6 @@ def hf_model(name: str, args: ModelArgs, seed: int = SEED) -> nn.Module:
     raise ValueError(f"unknown peer {name!r}; choose from {sorted(HF_MATCH.values())}")
 
 
-def hf_logits(model: nn.Module, src: Tensor, tgt_in: Tensor) -> Tensor:
-    """A Hugging Face model's training forward: logits of ``tgt_in`` given ``src``, no cache."""
-    out = model(
-        input_ids=src, attention_mask=(src != PAD_ID).long(), decoder_input_ids=tgt_in, use_cache=False
-    )
-    return out.logits  # type: ignore[no-any-return]
-
-
 def attn_impl(model: nn.Module) -> str:
     """The attention implementation a Hugging Face model runs (ours: sdpa/explicit)."""
     config = getattr(model, "config", None)

@@ -11,6 +11,7 @@ paragraph on stderr and exit code 2, before anything is submitted or started.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import sys
@@ -20,8 +21,8 @@ from typing import NoReturn
 
 from launcher.plan import (
     LaunchError,
+    LaunchFile,
     LaunchPlan,
-    Layout,
     NodeEnv,
     Resources,
     batch_line,
@@ -32,6 +33,9 @@ from launcher.plan import (
 from launcher.sbatch import CONFIG_ENV, DEFAULT_CPUS_PER_GPU, load_site
 from launcher.submit import SCRIPTS, SubmitArgs, build, dry_run_text, report, submit
 from launcher.supervise import run_node, supervise_job
+from tpe_train.run import logs
+
+log = logging.getLogger(__name__)
 
 USAGE = __doc__.split("\n\n")[1]
 
@@ -181,7 +185,7 @@ def plan_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchPl
     if cpus is None and not gpus and env.get("SLURM_CPUS_ON_NODE", "").isdigit():
         cpus = int(env["SLURM_CPUS_ON_NODE"])
     res = Resources.build(nodes, gpus, args.procs_per_node, cpus)
-    layout = Layout.load(args.layout) if args.layout else Layout.default(res)
+    layout = LaunchFile.load(args.layout) if args.layout else LaunchFile.default(res)
     overrides = list(args.overrides)
     if args.sweep == "positions":
         if not args.sweep_root:
@@ -202,8 +206,8 @@ def cmd_run(argv: list[str]) -> int:
         extra = {k: v for k, v in env.items() if os.environ.get(k) != v}
         print(shlex.join([f"{k}={v}" for k, v in sorted(extra.items())] + plan.command()))
         return 0
-    print(f"tpe-launch: {plan.describe()}", file=sys.stderr, flush=True)
-    print(f"tpe-launch: {shlex.join(plan.command())}", file=sys.stderr, flush=True)
+    log.info("%s", plan.describe())
+    log.info("%s", shlex.join(plan.command()))
     return run_node(plan.command(), env, ranks=plan.resources.procs_per_node)
 
 
@@ -233,24 +237,28 @@ def cmd_supervise(argv: list[str]) -> int:
 COMMANDS = {"submit": cmd_submit, "run": cmd_run, "supervise": cmd_supervise}
 
 
+def configure_logging(command: str = "") -> None:
+    """``tpe-launch``'s console: its messages on stderr (stdout carries the dry run's command), as one
+    launcher per node, not a rank (``SLURM_PROCID`` is the node's)."""
+    logs.configure(f"tpe-launch {command}".strip(), rank=0, info_stream="stderr")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``tpe-launch``."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    configure_logging()
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage:\n{USAGE}\n\nEach command takes --help.")
         return 0 if argv else 2
     command = COMMANDS.get(argv[0])
     if command is None:
-        print(
-            f"tpe-launch: error: unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)} "
-            "(tpe-launch --help)",
-            file=sys.stderr,
-        )
+        log.error("unknown command %r; use one of %s (tpe-launch --help)", argv[0], ", ".join(COMMANDS))
         return 2
     try:
         return command(argv[1:])
     except LaunchError as err:
-        print(f"tpe-launch {argv[0]}: error: {err}", file=sys.stderr)
+        configure_logging(argv[0])  # the error names the command
+        log.error("%s", err)
         return 2
 
 

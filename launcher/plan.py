@@ -4,7 +4,7 @@ Pure functions and small dataclasses, so that the command is unit-testable from 
 
 - ``Resources``: nodes, GPUs per node, processes per node (one per GPU; on CPU nodes the processes
   asked for, else one per CPU asked for, else one).
-- ``Layout``: a launch file of ``configs/accelerate/`` (DDP, ZeRO, tensor parallelism), whether it
+- ``LaunchFile``: a launch file of ``configs/accelerate/`` (DDP, ZeRO, tensor parallelism), whether it
   runs on CPUs and whether DeepSpeed drives it.
 - ``NodeEnv``: where this node stands: machine rank (``SLURM_NODEID``), machine count
   (``SLURM_NNODES``), main address (first host of ``SLURM_JOB_NODELIST``), port (from the job id).
@@ -93,7 +93,7 @@ class Resources:
 
 
 @dataclass(frozen=True)
-class Layout:
+class LaunchFile:
     """One launch file of ``configs/accelerate/``: the parallel layout that accelerate starts."""
 
     path: Path
@@ -110,7 +110,7 @@ class Layout:
         return self.distributed_type == "DEEPSPEED"
 
     @classmethod
-    def load(cls, name: str) -> Layout:
+    def load(cls, name: str) -> LaunchFile:
         """A launch file by name (``cpu_ddp``) or path; its DeepSpeed file made absolute."""
         path = Path(name)
         if not (path.suffix in (".yaml", ".yml") and path.is_file()):
@@ -133,15 +133,8 @@ class Layout:
         kind = "NO" if kind is False else str(kind)  # YAML 1.1 reads a bare NO as false
         return cls(path.resolve(), kind, bool(data.get("use_cpu")), ds_path)
 
-    def autotp_size(self) -> int:
-        """The tensor-parallel size its DeepSpeed file asks for (1 without one)."""
-        if self.deepspeed_file is None:
-            return 1
-        data = json.loads(self.deepspeed_file.read_text())
-        return int((data.get("tensor_parallel") or {}).get("autotp_size", 1))
-
     @classmethod
-    def default(cls, res: Resources) -> Layout:
+    def default(cls, res: Resources) -> LaunchFile:
         """GPU nodes: ZeRO-1 (``gpu_zero1``), one plain process on a single GPU (``gpu_single``: ZeRO has
         nothing to partition there, and DeepSpeed's engine costs every step); CPU nodes: DDP over
         gloo, or one plain process."""
@@ -181,7 +174,7 @@ def deepspeed_file(name: Path, launch_file: Path) -> Path:
     for base in (launch_file.resolve().parent, ROOT):
         if (base / name).is_file():
             return (base / name).resolve()
-    return (launch_file.resolve().parent / name).resolve()  # missing: Layout.check names this path
+    return (launch_file.resolve().parent / name).resolve()  # missing: LaunchFile.check names this path
 
 
 @dataclass(frozen=True)
@@ -305,7 +298,7 @@ class LaunchPlan:
     preset: str
     overrides: list[str]
     resources: Resources
-    layout: Layout
+    layout: LaunchFile
     node: NodeEnv = field(default_factory=NodeEnv)
     bin_dir: Path = field(default_factory=lambda: Path(sys.executable).parent)
 
@@ -385,7 +378,7 @@ def sweep_overrides(overrides: list[str], kind: str, root: str | os.PathLike[str
     return [*overrides, f"model.position.kind={kind}", f"train.run_dir={Path(root) / kind}"]
 
 
-def batch_line(preset: str, overrides: list[str], processes: int, layout: Layout) -> str:
+def batch_line(preset: str, overrides: list[str], processes: int, layout: LaunchFile) -> str:
     """What one optimizer step of this launch trains (``train.batch_tokens`` resolved for these
     processes), as the trainer prints it at start; a comment line for ``--dry-run``. The mean target
     tokens of a micro-batch are counted in the token store when it is prepared, else estimated."""
@@ -393,12 +386,14 @@ def batch_line(preset: str, overrides: list[str], processes: int, layout: Layout
     from tpe_train.data.batching import length_arrays
     from tpe_train.data.store import load_store, store_path
     from tpe_train.parallel.batch import estimated_micro_tokens, micro_tokens, resolve
+    from tpe_train.parallel.deepspeed import autotp_size
 
     try:
         cfg = load_config(preset, overrides)
     except ConfigError as err:
         raise LaunchError(str(err)) from None
-    tp = cfg.parallel.tp_size or layout.autotp_size()
+    template = json.loads(layout.deepspeed_file.read_text()) if layout.deepspeed_file else None
+    tp = cfg.parallel.tp_size or autotp_size(template) or 1
     if processes % tp:
         raise LaunchError(f"{processes} processes do not split into tensor-parallel groups of {tp}")
     dp, max_tokens = processes // tp, cfg.data.max_tokens

@@ -21,8 +21,8 @@ from pathlib import Path
 from launcher.plan import (
     ROOT,
     LaunchError,
+    LaunchFile,
     LaunchPlan,
-    Layout,
     NodeEnv,
     Resources,
     batch_line,
@@ -238,7 +238,7 @@ def build(args: SubmitArgs) -> Submission:
     if args.script == "eval":
         return _build_eval(args, res, values, workdir)
 
-    layout = Layout.load(args.layout) if args.layout else Layout.default(res)
+    layout = LaunchFile.load(args.layout) if args.layout else LaunchFile.default(res)
     layout.check(res)
     run_flags = ["--preset", args.preset, "--nodes", str(res.nodes), "--layout", str(layout.path)]
     run_flags += ["--gpus-per-node", str(res.gpus_per_node), "--procs-per-node", str(res.procs_per_node)]

@@ -30,12 +30,12 @@ never leads to a requeue (the trainers still checkpoint when they can).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import signal
 import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
@@ -44,14 +44,12 @@ from types import FrameType
 
 from tpe_train.run.exits import EXIT_PREEMPTED, EXIT_RECORDS
 
+log = logging.getLogger(__name__)
+
 JOB_STATUS = "TPE_JOB_STATUS_DIR"  # where each node's tpe-launch run records how its launch ended
 STATUS_DIR = ".tpe-launch"  # under --status-dir: one directory per job attempt, removed after it
 
 FORWARD_AFTER_S = 5.0  # srun needs its tasks running (and their handlers installed) to pass USR1 on
-
-
-def _say(msg: str) -> None:
-    print(f"tpe-launch: {msg}", file=sys.stderr, flush=True)
 
 
 def descendants(root: int) -> list[int]:
@@ -150,10 +148,10 @@ class NodeRun:
         host = self.env.get("SLURMD_NODENAME") or socket.gethostname()
         here = f"node {self.env.get('SLURM_NODEID', 0)} ({host})"
         if outcome == "failed":
-            _say(f"{here}: the launch failed with exit code {rc} ({stopped} of {self.ranks} ranks here "
-                 f"checkpointed and exited {EXIT_PREEMPTED})")  # fmt: skip
+            log.error(f"{here}: the launch failed with exit code {rc} ({stopped} of {self.ranks} ranks here "
+                      f"checkpointed and exited {EXIT_PREEMPTED})")  # fmt: skip
         elif outcome == "preempted":
-            _say(
+            log.info(
                 f"{here}: every rank here ({self.ranks}) checkpointed and exited {EXIT_PREEMPTED}: preempted"
             )
         if outcome == "failed" and rc == EXIT_PREEMPTED:
@@ -164,7 +162,7 @@ class NodeRun:
         try:
             write_node_status(Path(status), self.env, outcome, rc, stopped, self.ranks)
         except OSError as err:
-            _say(f"cannot record this node's outcome in {status} ({err}); failing the step")
+            log.error(f"cannot record this node's outcome in {status} ({err}); failing the step")
             return rc or 1
         # preempted: 0, so that srun --kill-on-bad-exit does not stop the nodes still finishing their part
         return 0 if outcome == "preempted" else rc
@@ -224,7 +222,7 @@ class JobSupervisor:
 
     def _on_usr1(self, signum: int, frame: FrameType | None) -> None:
         self.usr1 = True
-        _say("SIGUSR1: asking the trainers to checkpoint and stop")
+        log.info("SIGUSR1: asking the trainers to checkpoint and stop")
 
     def _on_term(self, signum: int, frame: FrameType | None) -> None:
         self.term = True
@@ -234,7 +232,8 @@ class JobSupervisor:
         signal.signal(signal.SIGTERM, self._on_term)
         restart = self.env.get("SLURM_RESTART_COUNT")
         if restart and restart != "0":
-            _say(f"restart {restart} of job {self.env.get('SLURM_JOB_ID')}: the trainer resumes from latest")
+            job = self.env.get("SLURM_JOB_ID")
+            log.info(f"restart {restart} of job {job}: the trainer resumes from latest")
         env = dict(self.env)
         if self.status is not None:
             shutil.rmtree(self.status, ignore_errors=True)  # an attempt of the same number never ran to here
@@ -272,8 +271,8 @@ class JobSupervisor:
         """Decide from srun's exit code and the nodes' records: requeue, success or failure."""
         records = self.node_records()
         for r in records:
-            _say(f"node {r['node']} ({r['host']}): {r['outcome']} (launch exit {r['exit']}, "
-                 f"{r['preempted_ranks']} of {r['ranks']} ranks exited {EXIT_PREEMPTED})")  # fmt: skip
+            log.info(f"node {r['node']} ({r['host']}): {r['outcome']} (launch exit {r['exit']}, "
+                     f"{r['preempted_ranks']} of {r['ranks']} ranks exited {EXIT_PREEMPTED})")  # fmt: skip
         if self.status is not None:
             shutil.rmtree(self.status, ignore_errors=True)  # (its parent stays: other jobs may use it)
         if self.status is not None:  # the nodes' records decide; srun's code only says whether one failed
@@ -283,28 +282,28 @@ class JobSupervisor:
         if preempted and not self.term:
             return self.requeue()
         if preempted:
-            _say("the trainers checkpointed after SIGTERM (cancelled or out of time): not requeued; "
-                 "submit the same command again to resume from latest")  # fmt: skip
+            log.info("the trainers checkpointed after SIGTERM (cancelled or out of time): not requeued; "
+                     "submit the same command again to resume from latest")  # fmt: skip
             return EXIT_PREEMPTED
         if rc != 0:
             failed = [f"node {r['node']} ({r['host']})" for r in records if r["outcome"] == "failed"]
             where = f" ({', '.join(failed)} failed; srun stopped the others)" if failed else ""
-            _say(f"the launch failed with exit code {rc}{where}")
+            log.error(f"the launch failed with exit code {rc}{where}")
         return rc
 
     def requeue(self) -> int:
         job = self.env.get("SLURM_JOB_ID")
         if not job:
-            _say("the trainer checkpointed and stopped (75); run the same command again to resume")
+            log.info("the trainer checkpointed and stopped (75); run the same command again to resume")
             return EXIT_PREEMPTED
         proc = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, env=self.env)
         if proc.returncode != 0:
-            _say(
+            log.warning(
                 f"the trainer checkpointed and stopped, but `scontrol requeue {job}` failed "
                 f"({proc.stderr.strip()}); submit the same command again to resume from latest"
             )
             return EXIT_PREEMPTED
-        _say(f"checkpointed; job {job} requeued, it resumes from latest when it starts again")
+        log.info(f"checkpointed; job {job} requeued, it resumes from latest when it starts again")
         return 0
 
 

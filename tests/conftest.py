@@ -3,13 +3,17 @@ the local Slurm cluster)."""
 
 from __future__ import annotations
 
+import logging
 import os
 import subprocess
 import tempfile
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
+
+from tpe_train.run import logs
 
 # Token stores of every test (and of the processes tests start) go to a fresh temporary directory.
 os.environ["TPE_DATA_CACHE"] = tempfile.mkdtemp(prefix="tpe-data-")
@@ -21,6 +25,19 @@ os.environ["TPE_SLURM_CONFIG"] = ""
 @pytest.fixture(autouse=True)
 def _seed() -> None:
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_logging() -> Iterator[None]:
+    """A command's ``main`` run in-process sets up logging for the whole process (its own handler, no
+    propagation); undo that after each test so that the next test's ``caplog`` sees the records again."""
+    yield
+    for name in logs.ROOTS:
+        logger = logging.getLogger(name)
+        for handler in [h for h in logger.handlers if h.get_name() == "tpe-console"]:
+            logger.removeHandler(handler)
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from launcher.cli import main as launch
-from launcher.plan import Layout
+from launcher.plan import LaunchFile
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.config import ConfigError, load_config
 from tpe_train.data.batching import BatchIterator, BatchState, length_arrays
@@ -112,8 +112,8 @@ def test_dry_run_shows_the_resolution_and_finds_a_launch_files_deepspeed_json_fr
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     monkeypatch.chdir(elsewhere)
-    assert Layout.load(str(own / "mine.yaml")).deepspeed_file == own / "ds.json"
-    assert Layout.load("gpu_zero2").deepspeed_file is not None  # the repository's own, from anywhere
+    assert LaunchFile.load(str(own / "mine.yaml")).deepspeed_file == own / "ds.json"
+    assert LaunchFile.load("gpu_zero2").deepspeed_file is not None  # the repository's own, from anywhere
     for gpus, acc in ((1, 8), (8, 1)):
         args = ["run", "--dry-run", "--preset", "wmt14_en_de_base", "--gpus-per-node", str(gpus)]
         assert launch([*args, "--layout", str(own / "mine.yaml")]) == 0

@@ -1,8 +1,9 @@
-"""Every script in benchmarks/ runs in its small mode (``--smoke``; the GPU scripts' ``--dry-run``) and
-prints or writes its figures, so that a config or package change cannot silently break a benchmark's
-documented command. The scripts are found by glob: a new one fails here until it has a small mode and
-an entry in SMOKE. Each runs as its documented command does (``python benchmarks/X.py``), one thread
-where it takes ``--threads``, with its checks on the JSON it writes or the table it prints."""
+"""Every script in benchmarks/ runs in its small mode (``--smoke``; the GPU checks of benchmarks/gpu/
+their ``--dry-run``) and prints or writes its figures, so that a config or package change cannot
+silently break a benchmark's documented command. The scripts are found by glob: a new one fails here
+until it has a small mode and an entry in SMOKE. Each runs as its documented command does (``python
+benchmarks/X.py``; ``python -m benchmarks.gpu.X``), one thread where it takes ``--threads``, with its
+checks on the JSON it writes or the table it prints."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parent.parent
 BENCHMARKS = ROOT / "benchmarks"
 LIBRARIES = {"harness.py", "peers.py"}  # imported by the scripts, not run
-SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if p.name not in LIBRARIES)
+GPU_CHECKS = sorted(f"gpu/{p.name}" for p in (BENCHMARKS / "gpu").glob("*.py") if p.name != "__init__.py")
+SCRIPTS = sorted(p.name for p in BENCHMARKS.glob("*.py") if p.name not in LIBRARIES) + GPU_CHECKS
 KINDS = ["none", "sinusoidal", "learned", "shaw", "t5", "alibi", "rope"]
 
 
@@ -156,9 +158,9 @@ SMOKE: dict[str, tuple[list[str], Check]] = {
     "bench_parallel.py": (["--smoke", "--json", "OUT"], check_parallel),
     "bench_memory.py": (["--smoke", "--threads", "1", "--json", "OUT"], check_memory),
     "bench_engine.py": (["--smoke", "--threads", "1", "--json", "OUT"], check_engine),
-    "gpu_attention.py": (["OUT", "--dry-run"], check_gpu_attention),
-    "gpu_check.py": (["OUT", "--dry-run"], check_gpu_check),
-    "gpu_scale.py": (["OUT", "--dry-run"], check_gpu_scale),
+    "gpu/attention.py": (["OUT", "--dry-run"], check_gpu_attention),
+    "gpu/check.py": (["OUT", "--dry-run"], check_gpu_check),
+    "gpu/scale.py": (["OUT", "--dry-run"], check_gpu_scale),
     "bench_export.py": (["--smoke", "--threads", "1", "--json", "OUT"], check_export),
 }
 
@@ -168,7 +170,8 @@ def test_benchmark_runs_in_its_small_mode(script: str, tmp_path: Path) -> None:
     assert script in SMOKE, f"benchmarks/{script} has no small mode here: give it one and add it to SMOKE"
     args, check = SMOKE[script]
     out = tmp_path / "out"
-    cmd = [sys.executable, f"benchmarks/{script}", *(str(out) if a == "OUT" else a for a in args)]
+    how = ["-m", f"benchmarks.{script[:-3].replace('/', '.')}"] if "/" in script else [f"benchmarks/{script}"]
+    cmd = [sys.executable, *how, *(str(out) if a == "OUT" else a for a in args)]
     # one OpenMP thread where a script does not set its own: on a busy 2-core machine two spin-waiting
     # threads per process made steps of tiny models take a second instead of milliseconds
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONUNBUFFERED": "1", "OMP_NUM_THREADS": "1"}

@@ -151,20 +151,20 @@ def test_a_checkpoint_of_the_first_format_is_read_as_whole_tensors(tmp_path: Pat
 
 
 def test_a_written_directory_appears_only_complete_and_a_failure_keeps_the_old_one(tmp_path: Path) -> None:
-    from tpe_train.ckpt.store import written_directory
+    from tpe_train.run.outputs import MARKER, written_directory
 
     out = tmp_path / "export"
-    with written_directory(out) as tmp:
+    with written_directory(out, "test", "export") as tmp:
         (tmp / "a").write_text("1")
         assert not out.exists()  # nothing at the final name while it is written
     assert (out / "a").read_text() == "1"
-    with pytest.raises(RuntimeError), written_directory(out) as tmp:
+    with pytest.raises(RuntimeError), written_directory(out, "test", "export") as tmp:
         (tmp / "a").write_text("2")
         raise RuntimeError("interrupted")
     assert (out / "a").read_text() == "1"  # the previous one stands
-    with written_directory(out) as tmp:
+    with written_directory(out, "test", "export") as tmp:
         (tmp / "b").write_text("3")
-    assert sorted(p.name for p in out.iterdir()) == ["b"]  # replaced whole, not merged
+    assert sorted(p.name for p in out.iterdir()) == [MARKER, "b"]  # replaced whole, not merged
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temporary or old copies left
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from tpe_train.config import PRESET_DIR, Config, ConfigError, describe, load_config
+from tpe_train.config import PRESET_DIR, Config, ConfigError, describe, load_config, validate
 
 PRESETS = sorted(p.stem for p in PRESET_DIR.glob("*.yaml"))
 
@@ -76,6 +76,27 @@ ERRORS = [
     ),
     (["train.patience=2", "eval.select_by=bleu", "train.valid_bleu_size=0"], "or eval.select_by=loss"),
     (["eval.select=first"], "eval.select"),
+    (["train.seed=-1"], "train.seed takes a whole number in [0, 4294967295]"),
+    (["train.seed=4294967296"], "train.seed: Input should be less than or equal to 4294967295"),
+    (["data.synthetic.seed=-3"], "data.synthetic.seed takes a whole number in [0, 4294967295]"),
+    (["train.max_steps=true"], "train.max_steps: a number is needed, not a boolean (got True)"),
+    (["train.lr=true"], "train.lr: a number is needed, not a boolean"),
+    (["train.lr=inf"], "train.lr: Input should be a finite number"),
+    (["train.lr=.nan"], "train.lr takes a finite number > 0.0"),
+    (["train.bf16=1"], "train.bf16 takes true or false"),
+    (["eval.length_buckets=[20,10]"], "eval.length_buckets: the list must be strictly ascending"),
+    (["eval.length_buckets=[10,10]"], "the list must be strictly ascending (sorted, no repeats)"),
+    (["eval.length_buckets=[-1,10]"], "eval.length_buckets takes ascending whole numbers >= 1"),
+    (
+        ["train.adam_betas=[0.9,1.0]"],
+        "train.adam_betas takes a list of 2, each a finite number in [0.0, 1.0)",
+    ),
+    (["train.max_steps=9223372036854775808"], "train.max_steps: Input should be less than or equal to"),
+    (["train.max_steps=" + "9" * 5000], "cannot read the overrides"),
+    (["train.run_dir=\x01"], "cannot read the overrides"),
+    (["parallel.tp_size=0"], "parallel.tp_size takes a whole number >= 1, or empty"),
+    (["data.max_tokens=8"], "data.max_tokens=8 cannot hold a pair"),
+    (["model.position.kind=[rope]"], "model.position.kind takes one of none, sinusoidal"),
 ]
 
 
@@ -90,6 +111,19 @@ def test_config_errors_name_the_key(overrides: list[str], message: str) -> None:
     with pytest.raises(ConfigError) as err:
         load_config("demo", overrides)
     assert message in str(err.value)
+
+
+def test_a_huge_value_is_named_without_printing_it() -> None:
+    with pytest.raises(
+        ConfigError, match=r"train.max_steps: the number is far too large \(got a number of about"
+    ):
+        validate({"train": {"max_steps": 10**5000}})
+
+
+def test_text_keys_refuse_control_characters() -> None:
+    with pytest.raises(ConfigError) as err:
+        validate({"train": {"run_dir": "runs/a\nb"}})
+    assert "train.run_dir: the text holds the control character '\\n'" in str(err.value)
 
 
 def test_unknown_preset_lists_presets() -> None:
@@ -114,7 +148,7 @@ def test_cli_error_is_one_message_without_traceback(tmp_path: Path) -> None:
 def test_every_key_is_documented() -> None:
     rows = describe()
     assert len(rows) > 40
-    undocumented = [key for key, _, doc in rows if not doc]
+    undocumented = [key for key, _, _, doc in rows if not doc]
     assert undocumented == []
 
 

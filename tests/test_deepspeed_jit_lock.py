@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tpe_train.parallel.ops import clear_stale_baton
+from tpe_train.parallel.deepspeed_jit_lock import clear_stale_baton
 
 
 def test_a_lock_no_process_holds_is_removed_and_a_held_one_is_kept(tmp_path: Path) -> None:
@@ -33,7 +33,7 @@ import os
 from pathlib import Path
 from deepspeed.accelerator import get_accelerator
 from torch.utils.cpp_extension import _get_build_directory
-from tpe_train.parallel.ops import load_shm_comm_op
+from tpe_train.parallel.deepspeed_jit_lock import load_shm_comm_op
 
 name = get_accelerator().create_op_builder("ShareMemCommBuilder").name
 baton = Path(_get_build_directory(name, verbose=False)) / "lock"

@@ -18,7 +18,7 @@ from torch import Tensor
 from tpe_train.config import ConfigError, load_config
 from tpe_train.data.batching import BOS_ID, EOS_ID, pad
 from tpe_train.model.attention import Attention
-from tpe_train.model.diagnostics import attention_distances, attention_modules, mean_distance
+from tpe_train.model.position_stats import attention_distances, mean_distance
 from tpe_train.model.transformer import Transformer
 from tpe_train.train.cadence import Cadence
 
@@ -117,6 +117,10 @@ def test_alibi_with_strong_slopes_attends_nearer_than_no_encoding() -> None:
         assert near.side(side).mean() < 0.7 * far.side(side).mean(), side
 
 
+def _attention_modules(model: torch.nn.Module) -> list[Attention]:
+    return [m for m in model.modules() if isinstance(m, Attention)]
+
+
 def test_the_default_forward_is_bitwise_unchanged_and_nothing_is_left_probed() -> None:
     src, tgt_in = batch()
     for kind in KINDS:
@@ -126,7 +130,7 @@ def test_the_default_forward_is_bitwise_unchanged_and_nothing_is_left_probed() -
         rng = torch.get_rng_state()
         attention_distances(model, src, tgt_in)
         assert torch.equal(torch.get_rng_state(), rng), kind  # draws no random numbers
-        assert all(a.probe is None for a in attention_modules(model))
+        assert all(a.probe is None for a in _attention_modules(model))
         with torch.no_grad():
             assert torch.equal(model(src, tgt_in), before), kind
         model.train()
@@ -135,7 +139,7 @@ def test_the_default_forward_is_bitwise_unchanged_and_nothing_is_left_probed() -
     learned = tiny_model("learned")  # the probes go even when the forward fails
     with pytest.raises(ValueError, match="beyond the learned position table"):
         attention_distances(learned, torch.full((1, 70), 5), tgt_in[:1])
-    assert all(a.probe is None for a in attention_modules(learned)) and not learned.training
+    assert all(a.probe is None for a in _attention_modules(learned)) and not learned.training
 
 
 def test_the_interval_is_a_validated_key_and_the_last_step_is_measured() -> None:
@@ -156,8 +160,8 @@ def test_training_writes_the_diagnostics_at_its_interval_and_tpe_eval_measures_t
 ) -> None:
     from tpe_train.ckpt.export import load_export
     from tpe_train.evaluation.cli import eval_main
-    from tpe_train.evaluation.diagnostics import diagnostic_batch
     from tpe_train.evaluation.evaluate import corpus_sets
+    from tpe_train.evaluation.position_report import diagnostic_batch
     from tpe_train.train.loop import run
 
     monkeypatch.setenv("TPE_DATA_CACHE", str(tmp_path / "data"))

@@ -1,5 +1,5 @@
-"""The GPU scripts judge their goals from the benchmarks' JSON (``benchmarks/gpu_scale.py``,
-``benchmarks/gpu_attention.py``): figures on each side of every threshold, a missing row, and a part
+"""The GPU checks judge their goals from the benchmarks' JSON (``benchmarks/gpu/scale.py``,
+``benchmarks/gpu/attention.py``): figures on each side of every threshold, a missing row, and a part
 cut at its time limit that keeps what it printed before. The CPU smoke run of both scripts is in
 ``test_benchmarks.py``; this checks the verdicts, which a dry run's CPU figures cannot."""
 
@@ -12,16 +12,17 @@ from typing import Any
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="module")
 def gpu_scale() -> ModuleType:
-    sys.path.insert(0, str(BENCHMARKS))
+    """``benchmarks.gpu.scale`` as ``python -m`` imports it from the repository root."""
+    sys.path.insert(0, str(ROOT))
     try:
-        import gpu_scale as module
+        import benchmarks.gpu.scale as module
     finally:
-        sys.path.remove(str(BENCHMARKS))
+        sys.path.remove(str(ROOT))
     return module
 
 

@@ -1,7 +1,7 @@
 """The gradient check (tpe_train/model/gradcheck.py) passes correct code and fails planted bugs.
 
 The reference is the ``explicit`` backend in fp64; the candidate here is ``sdpa`` in fp32 on the CPU
-(flex has no backward on the CPU: benchmarks/gpu_attention.py runs the same check for flex on a GPU).
+(flex has no backward on the CPU: benchmarks/gpu/attention.py runs the same check for flex on a GPU).
 """
 
 from __future__ import annotations

@@ -23,8 +23,8 @@ from launcher.plan import (
     POSITION_SWEEP,
     ROOT,
     LaunchError,
+    LaunchFile,
     LaunchPlan,
-    Layout,
     NodeEnv,
     Resources,
     first_host,
@@ -80,7 +80,7 @@ def test_outside_slurm_one_local_machine() -> None:
 def test_gpu_command_for_node_2_of_4() -> None:
     res = Resources.build(nodes=4, gpus_per_node=8)
     node = NodeEnv.from_env(slurm_env(), fake_hostnames)
-    plan = LaunchPlan("demo", ["model.position.kind=rope"], res, Layout.load("gpu_zero2"), node)
+    plan = LaunchPlan("demo", ["model.position.kind=rope"], res, LaunchFile.load("gpu_zero2"), node)
     cmd = plan.command()
     assert cmd[1] == "launch" and Path(cmd[0]).name == "accelerate"
     assert flag(cmd, "--config_file") == str(ROOT / "configs/accelerate/gpu_zero2.yaml")
@@ -99,7 +99,7 @@ def test_cpu_command_uses_gloo_layouts_and_ds_accelerator() -> None:
     res = Resources.build(nodes=2, cpus_per_node=4, procs_per_node=2)
     node = NodeEnv.from_env(slurm_env(SLURM_NODEID="1", SLURM_NNODES="2", SLURM_STEP_NUM_TASKS="2"),
                             lambda _: ["n1", "n2"])  # fmt: skip
-    ddp = LaunchPlan("demo", [], res, Layout.default(res), node)
+    ddp = LaunchPlan("demo", [], res, LaunchFile.default(res), node)
     cmd = ddp.command()
     assert ddp.layout.name == "cpu_ddp" and ddp.layout.use_cpu
     assert flag(cmd, "--num_processes") == "4" and flag(cmd, "--machine_rank") == "1"
@@ -107,10 +107,10 @@ def test_cpu_command_uses_gloo_layouts_and_ds_accelerator() -> None:
     assert flag(cmd, "--num_cpu_threads_per_process") == "2"
     assert "--deepspeed_multinode_launcher" not in cmd
     assert ddp.env({})["DS_ACCELERATOR"] == "cpu"
-    zero2 = LaunchPlan("demo", [], res, Layout.load("cpu_zero2"), node).command()
+    zero2 = LaunchPlan("demo", [], res, LaunchFile.load("cpu_zero2"), node).command()
     assert flag(zero2, "--deepspeed_multinode_launcher") == "standard"
     single = Resources.build()
-    assert Layout.default(single).name == "cpu_single" and single.processes == 1
+    assert LaunchFile.default(single).name == "cpu_single" and single.processes == 1
 
 
 def test_one_gpu_trains_without_deepspeed_by_default() -> None:
@@ -118,13 +118,13 @@ def test_one_gpu_trains_without_deepspeed_by_default() -> None:
     GPUs ZeRO-1; ``--layout gpu_zero1`` still asks for DeepSpeed on one GPU."""
     one, two = Resources.build(gpus_per_node=1), Resources.build(nodes=2, gpus_per_node=1)
     node = NodeEnv.from_env({"PATH": "/bin"})
-    plan = LaunchPlan("demo", [], one, Layout.default(one), node)
+    plan = LaunchPlan("demo", [], one, LaunchFile.default(one), node)
     cmd = plan.command()
     assert plan.layout.name == "gpu_single" and not plan.layout.deepspeed and not plan.layout.use_cpu
     assert Path(flag(cmd, "--config_file")).name == "gpu_single.yaml" and flag(cmd, "--num_processes") == "1"
     assert "--deepspeed_multinode_launcher" not in cmd and "DS_ACCELERATOR" not in plan.env({})
-    assert Layout.default(two).name == "gpu_zero1"
-    asked = LaunchPlan("demo", [], one, Layout.load("gpu_zero1"), node).command()
+    assert LaunchFile.default(two).name == "gpu_zero1"
+    asked = LaunchPlan("demo", [], one, LaunchFile.load("gpu_zero1"), node).command()
     assert Path(flag(asked, "--config_file")).name == "gpu_zero1.yaml"
 
 
@@ -143,13 +143,13 @@ def test_processes_per_node_follow_gpus_or_cpus() -> None:
 def test_layouts_that_cannot_run_are_refused() -> None:
     cpu, gpu = Resources.build(nodes=2), Resources.build(gpus_per_node=2)
     with pytest.raises(LaunchError, match="runs on GPUs but no GPUs"):
-        Layout.load("gpu_zero1").check(cpu)
+        LaunchFile.load("gpu_zero1").check(cpu)
     with pytest.raises(LaunchError, match="runs on CPUs"):
-        Layout.load("cpu_ddp").check(gpu)
+        LaunchFile.load("cpu_ddp").check(gpu)
     with pytest.raises(LaunchError, match="starts one process but 2"):
-        Layout.load("cpu_single").check(cpu)
+        LaunchFile.load("cpu_single").check(cpu)
     with pytest.raises(LaunchError, match=r"not found.*cpu_ddp.*gpu_zero1"):
-        Layout.load("zero9")
+        LaunchFile.load("zero9")
 
 
 def test_the_slurm_step_must_run_one_task_per_node() -> None:
@@ -157,7 +157,7 @@ def test_the_slurm_step_must_run_one_task_per_node() -> None:
         NodeEnv.from_env(slurm_env(SLURM_STEP_NUM_TASKS="32"), fake_hostnames)
     node = NodeEnv.from_env(slurm_env(), fake_hostnames)
     with pytest.raises(LaunchError, match="SLURM_NNODES"):
-        LaunchPlan("demo", [], Resources.build(nodes=2, gpus_per_node=8), Layout.load("gpu_zero1"), node)
+        LaunchPlan("demo", [], Resources.build(nodes=2, gpus_per_node=8), LaunchFile.load("gpu_zero1"), node)
 
 
 def test_first_host_of_a_node_list_without_scontrol() -> None:
@@ -389,12 +389,16 @@ FAKE_LAUNCH = textwrap.dedent(
 )
 
 
+#: what the launcher's main sets up before it supervises: its messages on stderr
+LOGGING = "import os, sys; from launcher.cli import configure_logging; configure_logging(); "
+
+
 def _start_node_run(tmp_path: Path, delay: float, **env: str) -> tuple[subprocess.Popen[str], Path]:
     script = tmp_path / "fake_launch.py"
     script.write_text(FAKE_LAUNCH)
     out = tmp_path / "rank.out"
     driver = (
-        "import os, sys; from launcher.supervise import run_node; "
+        f"{LOGGING}from launcher.supervise import run_node; "
         f"sys.exit(run_node([sys.executable, {str(script)!r}, 'agent', {str(out)!r}, '{delay}'], "
         "{k: v for k, v in os.environ.items() if not k.startswith('SLURM_')}))"
     )
@@ -453,7 +457,7 @@ def test_a_signal_before_the_handler_reaches_the_rank_once_it_listens(tmp_path: 
 def test_supervisor_passes_failures_through_and_75_outside_slurm() -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
     driver = (
-        "import os, sys; from launcher.supervise import supervise_job; "
+        f"{LOGGING}from launcher.supervise import supervise_job; "
         "sys.exit(supervise_job(sys.argv[1:], os.environ))"
     )
     for code in (0, 3, 75):

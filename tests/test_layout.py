@@ -61,7 +61,7 @@ BELOW = {
     "positions": set(),
     "model": {"positions"},
     "config": {"model", "positions"},
-    "data": {"config", "model", "positions"},
+    "data": {"config", "model", "positions", "run"},  # run: tpe-data's logging set-up
     "parallel": {"config", "data", "positions"},  # never model: it names modules by pattern
     "ckpt": {"config", "data", "model", "parallel", "positions", "run"},
     "evaluation": {"ckpt", "config", "data", "model", "parallel", "positions", "run"},
@@ -143,3 +143,103 @@ def test_run_directory_names_are_spelled_only_in_rundir() -> None:
                 assert name in other_layouts.get(path, set()), (
                     f"{where} builds a path from {name!r}; use RunDir"
                 )
+
+
+def _module_name(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+PROJECT = ("tpe_train", "launcher", "benchmarks")
+
+
+def import_graph(root: Path = ROOT, tops: tuple[str, ...] = PROJECT) -> dict[str, set[str]]:
+    """Module -> the project modules it imports, at the top or inside a function, for tpe_train,
+    launcher and benchmarks. A benchmark script's bare ``from harness import`` names its sibling
+    (``python benchmarks/x.py`` puts the script's folder first on the path)."""
+    files = {_module_name(p, root): p for top in tops for p in (root / top).rglob("*.py")}
+    graph: dict[str, set[str]] = {}
+    for name, path in files.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        script = not (path.parent / "__init__.py").exists()
+        wanted: list[str] = []
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                wanted += [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join([*anchor, base] if base else anchor)
+                wanted += [base, *(f"{base}.{a.name}" for a in node.names)]
+        found = {full for w in wanted for full in ([w, f"{package}.{w}"] if script else [w])}
+        graph[name] = {m for m in found if m in files and m != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                part = stack[stack.index(node) :]
+                del stack[stack.index(node) :]
+                if len(part) > 1:
+                    found.append(sorted(part))
+    return found
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    graph = import_graph()
+    assert "tpe_train.parallel.collectives" in graph["tpe_train.parallel.vocab"]  # the graph sees imports
+    assert "benchmarks.harness" in graph["benchmarks.peers"]  # and a script's sibling
+    assert cycles(graph) == [], "import cycles (move the shared part to a module both import)"
+
+
+def test_the_cycle_check_finds_a_cycle_through_a_deferred_import(tmp_path: Path) -> None:
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "__init__.py").write_text("")
+    (tmp_path / "pkg" / "a.py").write_text("from pkg.b import f\n")
+    (tmp_path / "pkg" / "b.py").write_text("def f():\n    from . import c\n")
+    (tmp_path / "pkg" / "c.py").write_text("import pkg.a\n")
+    (tmp_path / "pkg" / "d.py").write_text("from pkg import a\n")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "x.py").write_text("from y import z\n")
+    (tmp_path / "scripts" / "y.py").write_text("def z():\n    import x\n")
+    graph = import_graph(tmp_path, ("pkg", "scripts"))
+    assert cycles(graph) == [["pkg.a", "pkg.b", "pkg.c"], ["scripts.x", "scripts.y"]]
+
+
+def test_benchmarks_share_through_the_harness_only() -> None:
+    """A benchmark imports the harness and the peers, never another benchmark; the harness imports no
+    benchmark module at all (the peers import it). The GPU checks (benchmarks/gpu/) use the harness too."""
+    graph = import_graph()
+    shared = {"benchmarks.harness", "benchmarks.peers"}
+    for name, found in graph.items():
+        mine = {m for m in found if m.startswith("benchmarks.")}
+        if name == "benchmarks.harness":
+            assert not mine, f"the harness imports {sorted(mine)}"
+        elif name.startswith("benchmarks.") and not name.startswith("benchmarks.gpu"):
+            assert mine <= shared, f"{name} imports {sorted(mine - shared)}: share it through the harness"

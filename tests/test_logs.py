@@ -17,8 +17,9 @@ def test_rank0_shows_progress_on_stdout_and_warnings_on_stderr(capsys: pytest.Ca
     log.info("step 1")
     log.debug("hidden")
     log.warning("careful")
+    logging.getLogger("__main__").info("as python -m runs a command")
     out, err = capsys.readouterr()
-    assert out == "tpe-x: step 1\n"
+    assert out == "tpe-x: step 1\ntpe-x: as python -m runs a command\n"
     assert err == "tpe-x: warning: careful\n"
 
 
@@ -44,6 +45,20 @@ def test_quiet_and_verbose(
     out, err = capsys.readouterr()
     lines = (out + err).splitlines()
     assert [line.split(": ")[-1] for line in lines] == shown
+
+
+def test_info_can_go_to_stderr_for_a_command_whose_stdout_is_its_product(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    logs.configure("tpe-translate", rank=0, info_stream="stderr")
+    log.info("loaded")
+    log.warning("careful")
+    print("a translation")  # the product, on stdout alone
+    out, err = capsys.readouterr()
+    assert out == "a translation\n"
+    assert err == "tpe-translate: loaded\ntpe-translate: warning: careful\n"
+    with pytest.raises(ValueError, match="info_stream"):
+        logs.configure("tpe-translate", info_stream="stdrr")
 
 
 def test_configure_twice_prints_once(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,8 +10,8 @@
   tpe_train.train`` and under ``accelerate launch ... -m tpe_train.train``) in this process with
   ``--print-config``, which loads and validates the preset and overrides without training;
   ``tpe-launch run|submit`` with ``--dry-run``; the other console scripts through their own argument
-  parsers, without running; ``python benchmarks/X.py`` by its script and options (the benchmarks'
-  own smoke test runs them).
+  parsers, without running; ``python benchmarks/X.py`` and ``python -m benchmarks.gpu.X`` by their
+  script and options (the benchmarks' own smoke test runs them).
 - Every number in a table of the README's "Results now" section appears in the committed raw output
   linked above that table (under docs/results/; a linked README.md stands for its folder).
 - No work-period labels ("session", "sprint") and no "issue N" / "item N" references: a figure is
@@ -157,7 +157,8 @@ def test_repository_paths_in_backticks_exist() -> None:
 
 def test_no_command_hides_in_an_indented_code_block() -> None:
     """Commands belong in fenced blocks, where test_documented_command_runs sees them."""
-    command = re.compile(r"^ {4,}(tpe-|python -m tpe_train|python benchmarks/|accelerate launch)")
+    starts = r"tpe-|python -m (tpe_train|benchmarks)|python benchmarks/|accelerate launch"
+    command = re.compile(rf"^ {{4,}}({starts})")
     hidden = [where(page, n) for page in PAGES for n, line in prose(page) if command.match(line)]
     assert not hidden, "indented commands (fence them):\n" + "\n".join(hidden)
 
@@ -316,9 +317,10 @@ def check_benchmark(argv: list[str]) -> None:
     assert script.is_file(), f"{argv[1]} does not exist"
     if argv[1].startswith("benchmarks/"):
         text = script.read_text()
-        for name in re.findall(r"^(?:from|import) (\w+)", text, re.M):
-            if (script.parent / f"{name}.py").is_file():
-                text += (script.parent / f"{name}.py").read_text()
+        for name in re.findall(r"^(?:from|import) ([\w.]+)", text, re.M):
+            for module in (script.parent / f"{name}.py", ROOT / f"{name.replace('.', '/')}.py"):
+                if module.is_file():
+                    text += module.read_text()
         for word in argv[2:]:
             if word.startswith("--"):
                 assert f'"{word.split("=")[0]}"' in text, f"{argv[1]} has no option {word}"
@@ -348,6 +350,9 @@ def run_command(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> str:
                 return run_command(["tpe-translate", *rest[1:]], monkeypatch)
             if module == "tpe_train.evaluation":
                 return run_command(["tpe-eval", *rest], monkeypatch)
+            if module.startswith("benchmarks.gpu."):  # the GPU checks run as modules
+                check_benchmark([name, f"{module.replace('.', '/')}.py", *rest])
+                return "script"
             raise AssertionError(f"python -m {module}: a module this test does not know; teach it")
         check_benchmark(argv)
         return "script"

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tpe_train.ckpt.shards import iter_tensors, read_index
+from tpe_train.ckpt.shards import read_index, read_tensor
 from tpe_train.ckpt.store import entries
 
 pytestmark = pytest.mark.integration  # every test here starts the project's commands
@@ -71,7 +71,7 @@ def weights(run_dir: Path, step: int, moments: bool = False) -> dict:
     """A checkpoint's weights (or Adam moments), consolidated from its shards."""
     path = run_dir / "checkpoints" / f"step-{step:08d}"
     index = read_index(path)
-    return dict(iter_tensors(path, index, [n for n in index["tensors"] if ("/" in n) == moments]))
+    return {n: read_tensor(path, index, n) for n in index["tensors"] if ("/" in n) == moments}
 
 
 def global_batches(run_dir: Path) -> dict[int, list[int]]:

@@ -34,18 +34,19 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import Tensor
 
-from tpe_train.ckpt.holdings import full_weights
 from tpe_train.config import Config, load_config
 from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
 from tpe_train.model.kernels import set_cpu_gemm
 from tpe_train.parallel import vocab
 from tpe_train.parallel.checkpointing import apply_activation_checkpointing
 from tpe_train.parallel.context import ParallelContext
-from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layout
-from tpe_train.parallel.engine import Engine
-from tpe_train.parallel.memory import memory_report, optimizer_state_bytes
-from tpe_train.parallel.plan import apply_tensor_parallel
+from tpe_train.parallel.deepspeed import ProcessLayout, deepspeed_config, resolve_layout
+from tpe_train.parallel.engine import Engine, torch_optimizer
+from tpe_train.parallel.memory import memory_report
+from tpe_train.parallel.plan import apply_tensor_parallel, split_dim
 from tpe_train.run.exits import end_process
 from tpe_train.train.loop import engine_options
 from tpe_train.train.step import autocast_dtype, batch_loss, train_step
@@ -294,7 +295,7 @@ def ac_check(stages: list[int], steps: int = 2) -> dict[str, Any]:
     return out
 
 
-def memory(engine: Engine, ctx: ParallelContext, layout: Layout | None) -> dict[str, Any]:
+def memory(engine: Engine, ctx: ParallelContext, layout: ProcessLayout | None) -> dict[str, Any]:
     """The start-up report and, after the steps, the optimizer state bytes really held."""
     report = memory_report(engine.module, engine.optimizer, ctx.rank, layout).as_dict()
     report["optimizer_state_held"] = optimizer_state_bytes(engine.optimizer)
@@ -303,6 +304,37 @@ def memory(engine: Engine, ctx: ParallelContext, layout: Layout | None) -> dict[
 
 def model_state(cfg: Config) -> dict[str, torch.Tensor]:
     return {n: p.detach().float() for n, p in model_for(cfg).named_parameters()}
+
+
+def full_weights(engine: Engine) -> dict[str, Tensor]:
+    """The single-device model's fp32 weights, whole, on every rank (a collective over all ranks).
+    Tests compare layouts with it; checkpoints never gather."""
+    ctx, weights = engine.ctx, {}
+    for name, p in engine.module.named_parameters():
+        if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
+            from deepspeed.utils import safe_get_full_fp32_param
+
+            value = safe_get_full_fp32_param(p).float()
+        else:
+            value = p.detach().float()
+        dim = split_dim(name, p) if ctx.tp_size > 1 else None
+        if dim is not None:
+            parts = [torch.empty_like(value) for _ in range(ctx.tp_size)]
+            dist.all_gather(parts, value.contiguous(), group=ctx.tp_group)
+            value = torch.cat(parts, dim=dim)
+        weights[name] = value.cpu().clone()
+    return weights
+
+
+def optimizer_state_bytes(optimizer: Any) -> int:
+    """Bytes of the state tensors the torch optimizer actually holds (after a step)."""
+    basic = torch_optimizer(optimizer)
+    return sum(
+        t.numel() * t.element_size()
+        for state in basic.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0
+    )
 
 
 def main() -> None:

@@ -23,17 +23,39 @@ A model that the format cannot represent exactly is refused, with the reason.
 from __future__ import annotations
 
 import argparse
-import json
+import logging
 import os
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from tpe_train.ckpt.export import META, WEIGHTS, export_mean, load_export, save_export
+from tpe_train.ckpt.export import (
+    KINDS,
+    WEIGHTS,
+    check_export_out,
+    export_mean,
+    load_export,
+    read_meta,
+    save_export,
+)
 from tpe_train.ckpt.rundir import CONFIG, TOKENIZER, RunDir
-from tpe_train.ckpt.store import LATEST, MANIFEST, TRAINER, CheckpointError, Entry, entries, latest_complete
+from tpe_train.ckpt.store import (
+    LATEST,
+    MANIFEST,
+    TRAINER,
+    CheckpointError,
+    Entry,
+    entries,
+    latest_complete,
+    latest_named,
+)
 from tpe_train.config import ConfigError
+from tpe_train.run import logs, members
+from tpe_train.run.outputs import OutputRefused, check_output, replaced_in_place
+from tpe_train.run.readers import reading
+
+log = logging.getLogger(__name__)
 
 
 def _complete(run_dir: Path) -> list[Entry]:
@@ -47,7 +69,11 @@ def _complete(run_dir: Path) -> list[Entry]:
 
 
 def _checkpoint(path: Path) -> Path:
-    """A checkpoint directory, or a run directory's latest complete one."""
+    """A checkpoint directory, a run directory's latest complete one, or the one its
+    ``checkpoints/latest`` names."""
+    if path.name == LATEST and RunDir.of_checkpoints(path.parent) is not None:
+        named = latest_named(path.parent)
+        path = named if named is not None else path
     if (path / MANIFEST).is_file():
         entry = next((e for e in [*entries(path.parent)] if e.path == path), None)
         if entry is None or not entry.complete:
@@ -61,10 +87,17 @@ def _checkpoint(path: Path) -> Path:
     return latest.path
 
 
+def _read_from(source: Path) -> Path:
+    """What a command reads of ``source``: a checkpoint or an export itself, a run directory's
+    checkpoints (its own exports, such as ``averaged-last5``, may be written beside them)."""
+    return source if (source / MANIFEST).is_file() or _is_export(source) else RunDir(source).checkpoints
+
+
 def cmd_list(args: argparse.Namespace) -> None:
     root = RunDir(Path(args.run_dir)).checkpoints
     found = entries(root)
-    latest = (root / LATEST).read_text().strip() if (root / LATEST).is_file() else ""
+    named = latest_named(root)
+    latest = named.name if named is not None else ""
     print(f"{'checkpoint':22s} {'step':>8s} {'state':10s} {'layout':28s} {'size':>10s}")
     for e in found:
         lay = e.layout
@@ -79,14 +112,17 @@ def cmd_list(args: argparse.Namespace) -> None:
 
 
 def cmd_average(args: argparse.Namespace) -> None:
-    chosen = _complete(Path(args.run_dir))[-args.last :]
-    if len(chosen) < args.last:
-        print(f"tpe-ckpt: only {len(chosen)} complete checkpoints; averaging those", file=sys.stderr)
-    out = export_mean([e.path for e in chosen], Path(args.out))
+    check_export_out(Path(args.out), "tpe-ckpt average", [_read_from(Path(args.run_dir))])
+    with reading(RunDir.readers_root(Path(args.run_dir))):  # no prune while chosen and read
+        chosen = _complete(Path(args.run_dir))[-args.last :]
+        if len(chosen) < args.last:
+            log.warning("only %d complete checkpoints; averaging those", len(chosen))
+        out = export_mean([e.path for e in chosen], Path(args.out), "tpe-ckpt average")
     print(f"averaged {', '.join(e.path.name for e in chosen)} -> {out}")
 
 
 FORMATS = ("native", "hf", "ctranslate2")
+COMMAND = "tpe-ckpt export"
 QUANTIZATIONS = ("int8", "int8_float16", "float16", "float32")
 
 
@@ -96,6 +132,11 @@ def _is_export(path: Path) -> bool:
 
 
 def cmd_export(args: argparse.Namespace) -> None:
+    with reading(RunDir.readers_root(Path(args.checkpoint))):  # no prune while chosen and read
+        _export(args)
+
+
+def _export(args: argparse.Namespace) -> None:
     source, out = Path(args.checkpoint), Path(args.out)
     if args.quantization and args.format != "ctranslate2":
         raise ConfigError(
@@ -104,9 +145,14 @@ def cmd_export(args: argparse.Namespace) -> None:
         )
     if not source.exists():
         raise CheckpointError(f"{source} does not exist; pass a checkpoint, a run directory or an export")
+    read = [_read_from(source)]
+    if args.format == "native":  # before any long work
+        check_export_out(out, COMMAND, read)
+    else:
+        check_output(out, COMMAND, KINDS[args.format], read, protected=RunDir.what)
     if args.format == "native" and not _is_export(source):
         path = _checkpoint(source)
-        print(f"exported {path} -> {export_mean([path], out)}")
+        print(f"exported {path} -> {export_mean([path], out, COMMAND)}")
         return
     with tempfile.TemporaryDirectory(prefix="tpe-export-") as tmp:
         if _is_export(source):
@@ -117,10 +163,9 @@ def cmd_export(args: argparse.Namespace) -> None:
             model, cfg, tok = load_export(native)
         except ValueError as err:  # a hash or shape that does not match: the export is damaged
             raise CheckpointError(str(err)) from None
-        meta = native / META
-        step = int(json.loads(meta.read_text()).get("step", 0)) if meta.is_file() else 0
+        step = read_meta(native).get("step", 0)
         if args.format == "native":
-            written = save_export(out, model, cfg, tok, step)
+            written = save_export(out, model, cfg, tok, step, COMMAND, [source])
         elif args.format == "hf":
             from tpe_train.ckpt.hf import export_hf
 
@@ -133,20 +178,25 @@ def cmd_export(args: argparse.Namespace) -> None:
 
 
 def cmd_reshard(args: argparse.Namespace) -> None:
+    with reading(RunDir.readers_root(Path(args.checkpoint))):  # no prune while the new layout reads it
+        _reshard(args)
+
+
+def _reshard(args: argparse.Namespace) -> None:
     path = _checkpoint(Path(args.checkpoint))
-    step = int(json.loads((path / TRAINER).read_text())["step"])
+    step = members.read_json(path, TRAINER, {"step": int}, error=CheckpointError)["step"]
     out = Path(args.out)
-    if RunDir(out).checkpoints.exists():
-        raise CheckpointError(f"{out} already holds checkpoints; choose a new --out run directory")
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,
         "-m", "tpe_train.train", "--preset", str(path / CONFIG),
         f"train.run_dir={out}", f"train.resume={path}", f"train.max_steps={step}", "eval.at_end=false",
         "train.progress=false", f"train.deepspeed_shards={args.deepspeed_shards}",
     ]  # fmt: skip
-    result = subprocess.run(cmd, env={**os.environ})
-    if result.returncode != 0:
-        raise SystemExit(result.returncode)
+    # a new run directory, or an earlier reshard's (moved aside, removed once this one has finished)
+    with replaced_in_place(out, "tpe-ckpt reshard", "reshard", [path], RunDir.what):
+        result = subprocess.run(cmd, env={**os.environ})
+        if result.returncode != 0:
+            raise SystemExit(result.returncode)
     print(f"resharded {path} -> {RunDir(out).checkpoints} (layout of {args.config_file})")
 
 
@@ -179,12 +229,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--deepspeed-shards", action="store_true", help="also write DeepSpeed's own shard files")
     p.set_defaults(fn=cmd_reshard)
     args = parser.parse_args(argv)
+    logs.configure("tpe-ckpt")
     if getattr(args, "last", 1) < 1:
         parser.error("--last must be at least 1")
     try:
         args.fn(args)
-    except (CheckpointError, ConfigError, FileNotFoundError) as err:
-        print(f"tpe-ckpt: {err}", file=sys.stderr)
+    except (CheckpointError, ConfigError, FileNotFoundError, OutputRefused) as err:
+        log.error("%s", err)
         return 2
     return 0
 

@@ -73,8 +73,9 @@ import torch
 from tokenizers import Tokenizer
 from torch import nn
 
-from tpe_train.ckpt.rundir import TOKENIZER
-from tpe_train.ckpt.store import CheckpointError, written_directory
+from tpe_train.ckpt.export import KINDS
+from tpe_train.ckpt.rundir import TOKENIZER, RunDir
+from tpe_train.ckpt.store import CheckpointError
 from tpe_train.config import Config
 from tpe_train.config.plugins import export_refusal
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
@@ -83,6 +84,7 @@ from tpe_train.model.generate import length_penalty, max_lengths
 from tpe_train.model.transformer import Layer, Stack, Transformer
 from tpe_train.positions.absolute import sinusoid_table
 from tpe_train.positions.relative import alibi_slopes
+from tpe_train.run.outputs import written_directory
 
 #: the weight types ``export_ctranslate2`` writes (CTranslate2's names; int8_float16 and float16
 #: compute in fp16 on a GPU, on a CPU CTranslate2 computes them as int8 and float32)
@@ -149,7 +151,7 @@ def export_ctranslate2(model: Transformer, cfg: Config, tok: Tokenizer, out: Pat
     """Write ``model`` (as ``load_export`` returns it, with its config and tokenizer) as a CTranslate2
     model directory ``out`` with weights of type ``quantization`` (one of ``QUANTIZATIONS``), plus
     tokenizer.json and a README.md on loading and translating. Written under a temporary name and
-    renamed into place when complete. See the module's docstring for the mapping."""
+    renamed into place when complete (``run.outputs``). See the module's docstring for the mapping."""
     import ctranslate2  # noqa: F401  (a clear ImportError before any work)
 
     check_exportable(model, tok, quantization)
@@ -157,7 +159,7 @@ def export_ctranslate2(model: Transformer, cfg: Config, tok: Tokenizer, out: Pat
     spec = build_spec(model, tok)
     spec.validate()
     spec.optimize(quantization=quantization)
-    with written_directory(out) as tmp:
+    with written_directory(out, "tpe-ckpt export", KINDS["ctranslate2"], protected=RunDir.what) as tmp:
         spec.save(str(tmp))
         tok.save(str(tmp / TOKENIZER))
         (tmp / README).write_text(readme(model, cfg, quantization))

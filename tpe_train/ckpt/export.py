@@ -18,16 +18,34 @@ import yaml
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
-from tpe_train.ckpt.rundir import CONFIG, TOKENIZER, RunDir
+from tpe_train.ckpt.rundir import CONFIG, EVAL, TOKENIZER, RunDir
 from tpe_train.ckpt.shards import read_index, read_tensor, write_safetensors
-from tpe_train.ckpt.store import TRAINER, CheckpointError, entries, sha256, verify, written_directory
+from tpe_train.ckpt.store import TRAINER, CheckpointError, entries, sha256, verify
 from tpe_train.config import Config, ConfigError, validate
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
-from tpe_train.data.tokenizer import load_tokenizer, vocab_hash
+from tpe_train.data.tokenizer import vocab_hash
 from tpe_train.model.transformer import Transformer
+from tpe_train.run import members, readers
+from tpe_train.run.outputs import check_output, files_of, written_directory
 
 #: An export's files besides ``CONFIG`` and ``TOKENIZER``: the weights, and hashes and step.
 WEIGHTS, META = "model.safetensors", "meta.json"
+#: The kind of output (run.outputs) of each export format, whichever command writes it.
+KINDS = {"native": "export", "hf": "export-hf", "ctranslate2": "export-ctranslate2"}
+EXPORT = KINDS["native"]
+
+
+def legacy_export(path: Path) -> bool:
+    """Whether ``path`` is a native export written before output markers existed, holding nothing but
+    an export's files and what evaluation adds (``eval.json``, ``hypotheses/``)."""
+    files = files_of(path)
+    ours = {WEIGHTS, CONFIG, TOKENIZER, META, EVAL}
+    return {WEIGHTS, META} <= set(files) and all(f in ours or f.startswith("hypotheses/") for f in files)
+
+
+def check_export_out(out: Path, command: str, sources: list[Path] | tuple[Path, ...] = ()) -> None:
+    """Refuse an ``out`` that a native export may not write or replace (before any long work)."""
+    check_output(out, command, EXPORT, sources, legacy_export, RunDir.what)
 
 
 def build_model(cfg: Config, tok: Tokenizer) -> Transformer:
@@ -42,11 +60,13 @@ def write_export(
     cfg: Config,
     tok: Tokenizer,
     step: int,
+    command: str = "tpe-train",
+    sources: list[Path] | tuple[Path, ...] = (),
 ) -> Path:
     """Write weights (``tensors``, one at a time, in the order of ``shapes``), config, tokenizer and
-    metadata to ``directory`` atomically."""
+    metadata to ``directory`` atomically (``run.outputs``: ``command`` writing, ``sources`` read)."""
     directory = Path(directory)
-    with written_directory(directory) as tmp:
+    with written_directory(directory, command, EXPORT, sources, legacy_export, RunDir.what) as tmp:
         meta = {"format": "pt", "step": str(step)}
         written = write_safetensors(tmp / WEIGHTS, tensors, shapes, metadata=meta)
         (tmp / CONFIG).write_text(cfg.to_yaml())
@@ -62,44 +82,64 @@ def write_export(
     return directory
 
 
-def save_export(directory: Path, model: torch.nn.Module, cfg: Config, tok: Tokenizer, step: int) -> Path:
+def save_export(
+    directory: Path,
+    model: torch.nn.Module,
+    cfg: Config,
+    tok: Tokenizer,
+    step: int,
+    command: str = "tpe-train",
+    sources: list[Path] | tuple[Path, ...] = (),
+) -> Path:
     """Export a model held whole in this process (``write_export`` of its state dict)."""
     state = {k: v.detach() for k, v in model.state_dict().items()}
     shapes = {k: tuple(v.shape) for k, v in state.items()}
-    return write_export(directory, iter(state.items()), shapes, cfg, tok, step)
+    return write_export(directory, iter(state.items()), shapes, cfg, tok, step, command, sources)
 
 
 def load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
     """Read a checkpoint written by ``save_export``; clear errors for anything missing or foreign."""
     directory = Path(directory)
-    missing = [n for n in (WEIGHTS, CONFIG, TOKENIZER) if not (directory / n).is_file()]
+    with readers.reading(RunDir.readers_root(directory)):
+        return _load_export(directory)
+
+
+def read_meta(directory: Path) -> dict[str, Any]:
+    """An export's ``meta.json`` (empty without one), checked: its hashes name plain files of the export."""
+    if not (directory / META).exists() and not (directory / META).is_symlink():
+        return {}
+    fields = {"step": int, "sha256": dict}
+    meta = members.read_json(directory, META, fields, members.MIB, CheckpointError)
+    for name, digest in meta["sha256"].items():
+        members.check_name(name, directory / META, error=CheckpointError)
+        members.check_type(digest, str, f"{directory / META}: sha256[{name!r}]", CheckpointError)
+    members.check_type(meta.get("vocab_hash", ""), str, f"{directory / META}: vocab_hash", CheckpointError)
+    return meta
+
+
+def _load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
+    missing = [n for n in (WEIGHTS, CONFIG, TOKENIZER) if not (directory / n).exists()]
     if missing:
         raise FileNotFoundError(
             f"{directory} is not a tpe-train checkpoint: {', '.join(missing)} missing; pass the "
             "directory written at the end of training (<run_dir>/checkpoint)"
         )
-    try:
-        cfg = validate(yaml.safe_load((directory / CONFIG).read_text()))
-    except ConfigError as err:
-        raise ConfigError(f"{directory / CONFIG}: {err}") from None
-    tok = load_tokenizer(directory / TOKENIZER)
-    meta_path = directory / META
-    if meta_path.is_file():
-        expected = json.loads(meta_path.read_text()).get("vocab_hash")
-        if expected and expected != vocab_hash(tok):
-            raise ValueError(
-                f"{directory / TOKENIZER} does not match the vocabulary the weights were trained "
-                "with (hash differs); restore the checkpoint's own tokenizer.json"
+    meta = read_meta(directory)
+    for name, expected_hash in meta.get("sha256", {}).items():
+        if members.sha256(directory, name, CheckpointError) != expected_hash:
+            raise CheckpointError(
+                f"{directory / name} does not match the hash recorded in {directory / META} when it was "
+                "written: the file was modified or corrupted; export the checkpoint again (tpe-ckpt export)"
             )
-    hashes = json.loads(meta_path.read_text()).get("sha256", {}) if meta_path.is_file() else {}
-    for name, expected_hash in hashes.items():
-        if sha256(directory / name) != expected_hash:
-            raise ValueError(
-                f"{directory / name} does not match the hash recorded in {meta_path} when it was written: "
-                "the file was modified or corrupted; export the checkpoint again (tpe-ckpt export)"
-            )
+    cfg, tok = read_setup(directory)
+    expected = meta.get("vocab_hash")
+    if expected and expected != vocab_hash(tok):
+        raise CheckpointError(
+            f"{directory / TOKENIZER} does not match the vocabulary the weights were trained "
+            "with (hash differs); restore the checkpoint's own tokenizer.json"
+        )
     model = build_model(cfg, tok)
-    state = load_file(str(directory / WEIGHTS))
+    state = load_file(str(members.check_file(directory, WEIGHTS, error=CheckpointError)))
     result = model.load_state_dict(state, strict=False)
     if result.missing_keys or result.unexpected_keys:
         raise ValueError(
@@ -110,14 +150,28 @@ def load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
     return model, cfg, tok
 
 
-def export_mean(sources: list[Path], out: Path) -> Path:
+def read_setup(directory: Path) -> tuple[Config, Tokenizer]:
+    """The config and the tokenizer of a checkpoint or an export, read as files of that folder."""
+    try:
+        cfg = validate(yaml.safe_load(members.read_text(directory, CONFIG, error=CheckpointError)))
+    except ConfigError as err:
+        raise ConfigError(f"{directory / CONFIG}: {err}") from None
+    text = members.read_text(directory, TOKENIZER, error=CheckpointError)
+    try:
+        tok = Tokenizer.from_str(text)
+    except Exception as err:  # the tokenizers library raises its own exception type
+        raise CheckpointError(f"{directory / TOKENIZER} is not a tokenizer ({err}); {members.FIX}") from None
+    return cfg, tok
+
+
+def export_mean(sources: list[Path], out: Path, command: str = "tpe-train") -> Path:
     """The mean of training checkpoints' fp32 weights (accumulated in fp64) as an export at ``out``,
     stamped with the last source's step; one source: that checkpoint. Consolidated offline from the
     checkpoints' shards one tensor at a time (memory: a few copies of the largest parameter); every
-    file read is verified against its checkpoint's manifest first."""
+    file read is verified against its checkpoint's manifest first (after ``out`` is checked)."""
+    check_export_out(out, command, sources)
     first = sources[0]
-    cfg = validate(yaml.safe_load((first / CONFIG).read_text()))
-    tok = load_tokenizer(first / TOKENIZER)
+    cfg, tok = read_setup(first)
     with torch.device("meta"):
         shapes = {name: tuple(p.shape) for name, p in build_model(cfg, tok).named_parameters()}
     indexes = []
@@ -143,8 +197,8 @@ def export_mean(sources: list[Path], out: Path) -> Path:
                 total += read_tensor(path, index, name)
             yield name, (total / len(sources)).float()
 
-    step = int(json.loads((sources[-1] / TRAINER).read_text())["step"])
-    return write_export(out, mean(), shapes, cfg, tok, step)
+    step = members.read_json(sources[-1], TRAINER, {"step": int}, error=CheckpointError)["step"]
+    return write_export(out, mean(), shapes, cfg, tok, step, command, sources)
 
 
 def average_last(cfg: Config, run_dir: RunDir) -> tuple[Transformer, dict[str, Any]]:
@@ -155,7 +209,8 @@ def average_last(cfg: Config, run_dir: RunDir) -> tuple[Transformer, dict[str, A
     if len(chosen) < n:
         print(f"tpe-train: eval.average_last={n}, but the run has {len(chosen)} complete checkpoints; "
               "averaging those")  # fmt: skip
-    export = export_mean([e.path for e in chosen], run_dir.averaged(n))
+    with readers.reading(run_dir.checkpoints):
+        export = export_mean([e.path for e in chosen], run_dir.averaged(n))
     names = [e.path.name for e in chosen]
     print(f"tpe-train: final model = mean of {', '.join(names)} -> {export}")
     model, _, _ = load_export(export)

@@ -58,7 +58,9 @@ from typing import Any
 import torch
 from tokenizers import Tokenizer, processors
 
-from tpe_train.ckpt.store import CheckpointError, written_directory
+from tpe_train.ckpt.export import KINDS
+from tpe_train.ckpt.rundir import RunDir
+from tpe_train.ckpt.store import CheckpointError
 from tpe_train.config import Config
 from tpe_train.config.plugins import export_refusal
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
@@ -66,6 +68,7 @@ from tpe_train.data.tokenizer import BOS, EOS, PAD, UNK, vocab_hash
 from tpe_train.model.args import ModelArgs
 from tpe_train.model.generate import max_lengths
 from tpe_train.model.transformer import Transformer
+from tpe_train.run.outputs import written_directory
 
 #: What ``tpe-ckpt export --format hf`` writes besides ``transformers``' own files: provenance.
 PROVENANCE = "tpe-export.json"
@@ -302,11 +305,6 @@ def export_hf(model: Transformer, cfg: Config, tok: Tokenizer, out: Path, step: 
     (README.md) and provenance (``PROVENANCE``), atomically (a temporary directory renamed)."""
     hf, hf_tok = to_hf(model, cfg, tok)  # refusals before anything is written
     out = Path(out)
-    if out.exists() and any(out.iterdir()) and not (out / PROVENANCE).is_file():
-        raise CheckpointError(
-            f"{out} exists and is not an earlier Hugging Face export of tpe-ckpt (no {PROVENANCE}); choose a "
-            "new --out directory"
-        )
     target = hf_target(model.args)
     from transformers.utils import logging as hf_logging
 
@@ -324,7 +322,7 @@ def export_hf(model: Transformer, cfg: Config, tok: Tokenizer, out: Path, step: 
     bars = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a few small files: no progress bars in the command's output
     try:
-        with written_directory(out) as tmp:
+        with written_directory(out, "tpe-ckpt export", KINDS["hf"], protected=RunDir.what) as tmp:
             hf.save_pretrained(tmp)
             hf_tok.save_pretrained(tmp)
             (tmp / PROVENANCE).write_text(json.dumps(meta, indent=2) + "\n")

@@ -214,23 +214,3 @@ def _set_steps(engine: Engine, steps: int) -> None:
                 if torch.is_tensor(old)
                 else steps
             )
-
-
-def full_weights(engine: Engine) -> dict[str, Tensor]:
-    """The single-device model's fp32 weights, whole, on every rank (a collective over all ranks).
-    For tests that compare layouts in one process; checkpoints never gather."""
-    ctx, weights = engine.ctx, {}
-    for name, p in engine.module.named_parameters():
-        if hasattr(p, "ds_id") or hasattr(p, "_hp_mapping"):
-            from deepspeed.utils import safe_get_full_fp32_param
-
-            value = safe_get_full_fp32_param(p).float()
-        else:
-            value = p.detach().float()
-        dim = split_dim(name, p) if ctx.tp_size > 1 else None
-        if dim is not None:
-            parts = [torch.empty_like(value) for _ in range(ctx.tp_size)]
-            dist.all_gather(parts, value.contiguous(), group=ctx.tp_group)
-            value = torch.cat(parts, dim=dim)
-        weights[name] = value.cpu().clone()
-    return weights

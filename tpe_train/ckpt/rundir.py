@@ -93,6 +93,31 @@ class RunDir:
         """Slurm's log (``job``: a filename pattern such as ``%j`` or ``eval-%j``)."""
         return self.path / f"slurm-{job}.out"
 
+    @staticmethod
+    def what(path: Path) -> tuple[str, bool] | None:
+        """What ``path`` is, for a command that must not write over it (``run.outputs``): a phrase,
+        and whether nothing may be written inside it either; None for anything else."""
+        path = Path(path)
+        if path.name == "checkpoints" and (path.parent / CONFIG).is_file():
+            return f"the checkpoints of the run {path.parent}", True
+        if (path / "manifest.json").is_file() and path.parent.name == "checkpoints":
+            return "a training checkpoint", True
+        if any((path / name).exists() for name in (CONFIG, "checkpoints", "run.lock")):
+            return "a run directory of tpe-train (it holds its config, checkpoints or lock)", False
+        return None
+
+    @classmethod
+    def readers_root(cls, path: Path) -> Path | None:
+        """The checkpoints folder whose readers' lock (``run.readers``) covers ``path``: a checkpoint's
+        own ``checkpoints/``, a run directory's, or that of the run directory an export lies in."""
+        path = Path(path)
+        if cls.of_checkpoints(path.parent) is not None:  # a checkpoint
+            return path.parent
+        for run in (cls(path), cls(path.parent)):  # a run directory, an export in one
+            if run.checkpoints.is_dir():
+                return run.checkpoints
+        return None
+
     @classmethod
     def of_checkpoints(cls, path: Path) -> RunDir | None:
         """The run directory whose checkpoints directory ``path`` is, if it is one."""

@@ -27,7 +27,7 @@ import json
 import math
 import os
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -35,9 +35,11 @@ from typing import Any, BinaryIO
 import torch
 from torch import Tensor
 
-from tpe_train.ckpt.store import CheckpointError, verify
+from tpe_train.ckpt.store import CheckpointError, read_manifest, verify
+from tpe_train.run import members
 
 INDEX = "index.json"
+MAX_HEADER = 100 * members.MIB  # the largest safetensors header read (safetensors' own limit)
 FORMAT = "tpe-train-shards/1"
 DTYPES = {torch.float32: "F32", torch.float64: "F64", torch.bfloat16: "BF16", torch.float16: "F16"}
 _TORCH = {name: dtype for dtype, name in DTYPES.items()}
@@ -161,11 +163,39 @@ class ShardFile:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self.file = open(path, "rb")  # noqa: SIM115 - closed by close()
-        (length,) = struct.unpack("<Q", self.file.read(8))
-        self.header: dict[str, Any] = json.loads(self.file.read(length))
-        self.header.pop("__metadata__", None)
-        self.base = 8 + length
+        fd = members.open_member(path.parent, path.name, members.ANY_SIZE, ShardError)
+        self.file = os.fdopen(fd, "rb")
+        try:
+            self.header = self._header()
+        except BaseException:
+            self.file.close()
+            raise
+        self.base = 8 + self.length
+
+    def _header(self) -> dict[str, Any]:
+        size = os.fstat(self.file.fileno()).st_size
+        head = self.file.read(8)
+        (self.length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
+        if not 0 <= self.length <= min(size - 8, MAX_HEADER):
+            raise ShardError(
+                f"{self.path} declares a header of {self.length:,} bytes in a file of {size:,} (at most "
+                f"{MAX_HEADER // members.MIB} MiB): it is not a safetensors file; {members.FIX}"
+            )
+        try:
+            header = json.loads(self.file.read(self.length))
+        except ValueError as err:
+            raise ShardError(f"{self.path} has an unreadable header ({err}); {members.FIX}") from None
+        members.check_type(header, dict, f"{self.path}'s header", ShardError)
+        header.pop("__metadata__", None)
+        for key, info in header.items():
+            where = f"{self.path}: tensor {key!r}"
+            members.check_type(info, dict, where, ShardError)
+            members.check_type(info.get("dtype"), str, f"{where} dtype", ShardError)
+            if info["dtype"] not in _TORCH:
+                raise ShardError(f"{where} has dtype {info['dtype'][:20]!r}, not one of {sorted(_TORCH)}")
+            _ints(info.get("shape"), f"{where} shape")
+            _ints(info.get("data_offsets"), f"{where} data_offsets", 2)
+        return dict(header)
 
     def read(self, key: str, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> Tensor:
         """The sub-block ``offsets + lengths`` of tensor ``key``: only the rows it spans are read."""
@@ -173,6 +203,13 @@ class ShardFile:
         if info is None:
             raise ShardError(f"{self.path} holds no tensor {key}; the index and the file disagree")
         dtype, shape = _TORCH[info["dtype"]], tuple(info["shape"])
+        first, end = info["data_offsets"]
+        width = torch.tensor([], dtype=dtype).element_size()
+        if end - first != math.prod(shape) * width or self.base + end > os.fstat(self.file.fileno()).st_size:
+            raise ShardError(
+                f"{self.path}: tensor {key} spans bytes {first}-{end}, which do not hold its shape "
+                f"{list(shape)} inside the file; {members.FIX}"
+            )
         if not shape:
             rows, start, count = (), 0, 1
         else:
@@ -272,6 +309,7 @@ class Plan:
         for read in self.reads:
             by_file.setdefault(read.file, []).append(read)
         for name, reads in by_file.items():
+            members.check_name(name, self.directory / INDEX, error=ShardError)
             f = ShardFile(self.directory / name)
             try:
                 with torch.no_grad():  # the destinations may be views of leaves that require grad
@@ -334,9 +372,10 @@ def read_index(directory: Path) -> dict[str, Any]:
     """A checkpoint's index, checked against its manifest. A checkpoint of the first format (every
     tensor whole, in ``model.safetensors`` and ``optimizer.safetensors``) gets one made from the files'
     headers: each tensor is then a single chunk."""
-    if (directory / INDEX).is_file() or not (directory / "model.safetensors").is_file():
+    if (directory / INDEX).exists() or not (directory / "model.safetensors").exists():
         verify(directory, [INDEX])
-        return dict(json.loads((directory / INDEX).read_text()))
+        index = members.read_json(directory, INDEX, {"tensors": dict}, error=ShardError)
+        return _checked_index(directory, index)
     tensors = {}
     for name in ("model.safetensors", "optimizer.safetensors"):
         f = ShardFile(directory / name)
@@ -347,6 +386,36 @@ def read_index(directory: Path) -> dict[str, Any]:
     return {"format": "tpe-train-checkpoint/1", "dtype": "F32", "tensors": tensors}
 
 
+def _ints(value: Any, where: str, count: int | None = None) -> list[int]:
+    """A list of non-negative integers (``count`` of them, when given)."""
+    members.check_type(value, list, where, ShardError)
+    for item in value:
+        members.check_type(item, int, f"{where} item", ShardError)
+        if item < 0:
+            raise ShardError(f"{where} holds {item}, a negative number; {members.FIX}")
+    if count is not None and len(value) != count:
+        raise ShardError(f"{where} has {len(value)} numbers, {count} expected; {members.FIX}")
+    return list(value)
+
+
+def _checked_index(directory: Path, index: dict[str, Any]) -> dict[str, Any]:
+    """``index.json`` with the types its readers rely on; every chunk file a plain name of the
+    checkpoint that its manifest lists."""
+    where = directory / INDEX
+    listed = read_manifest(directory)["files"]
+    for name, entry in index["tensors"].items():
+        members.check_type(entry, dict, f"{where}: tensor {name!r}", ShardError)
+        shape = _ints(entry.get("shape"), f"{where}: {name} shape")
+        members.check_type(entry.get("chunks"), list, f"{where}: {name} chunks", ShardError)
+        for chunk in entry["chunks"]:
+            members.check_type(chunk, dict, f"{where}: a chunk of {name}", ShardError)
+            members.check_name(chunk.get("file"), where, listed, error=ShardError)
+            members.check_type(chunk.get("key"), str, f"{where}: a chunk key of {name}", ShardError)
+            _ints(chunk.get("offsets"), f"{where}: a chunk of {name} offsets", len(shape))
+            _ints(chunk.get("sizes"), f"{where}: a chunk of {name} sizes", len(shape))
+    return index
+
+
 def read_tensor(directory: Path, index: dict[str, Any], name: str) -> Tensor:
     """One whole global tensor (fp32), assembled from its chunks: what an offline export reads, one
     tensor at a time."""
@@ -354,10 +423,3 @@ def read_tensor(directory: Path, index: dict[str, Any], name: str) -> Tensor:
     out = torch.empty(shape, dtype=torch.float32)
     Plan(directory, index, [(Region.whole(name, shape), out.view(-1))]).run()
     return out
-
-
-def iter_tensors(
-    directory: Path, index: dict[str, Any], names: Iterable[str]
-) -> Iterator[tuple[str, Tensor]]:
-    for name in names:
-        yield name, read_tensor(directory, index, name)

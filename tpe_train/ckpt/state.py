@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import random
 import shutil
@@ -61,6 +62,9 @@ from tpe_train.data.corpus import TrainBatches
 from tpe_train.data.tokenizer import vocab_hash
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
+from tpe_train.run import members, readers
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -251,7 +255,11 @@ class Checkpointer:
                     listed[INDEX] = write_text(job.tmp / INDEX, dump_index(merged))
                     write_manifest(job.tmp, job.step, self.layout, listed)
                     publish(job.tmp, job.final)
-                    prune(self.root, self.cfg.train.keep_last, self.cfg.train.keep_every, job.keep)
+                    with readers.alone(self.root) as free:
+                        if free:
+                            prune(self.root, self.cfg.train.keep_last, self.cfg.train.keep_every, job.keep)
+                        else:
+                            log.info("pruning waits for the next save: a reader holds %s", self.root)
                 except Exception as err:  # as above: the other ranks wait for the verdict
                     error = f"{type(err).__name__}: {err}"
             if error is not None:
@@ -288,7 +296,7 @@ class Checkpointer:
         ctx, engine, cfg = self.ctx, self.engine, self.cfg
         check_compatible(path, cfg, vocab_hash(self.tok))
         verify(path, [TRAINER])
-        trainer = json.loads((path / TRAINER).read_text())
+        trainer = read_trainer(path)
         index = read_index(path)
         saved, steps = trainer["layout"], int(trainer["adam_steps"])
         same_layout = saved == self.layout
@@ -317,13 +325,26 @@ class Checkpointer:
         engine.set_lr(scheduler.get_last_lr())
         engine.load_loss_scale_state(trainer.get("loss_scaler"))
         progress = Progress(int(trainer["step"]), float(trainer["tokens"]), best=best_of(trainer))
-        rank_state = json.loads(mine.read_text()) if same_layout or per_rank else {}
+        rank_state = (
+            members.read_json(path, mine.name, {"rng": dict}, error=CheckpointError)
+            if same_layout or per_rank
+            else {}
+        )
         self.batches.load_state_dict(rank_state["data"] if per_rank else trainer["data"])
         if same_layout:
             set_rng_state(rank_state["rng"])
         else:  # another layout: fresh, reproducible streams per data-parallel rank
             torch.manual_seed(cfg.train.seed + 1_000_003 * progress.step + 7919 * ctx.dp_rank)
         return progress
+
+
+def read_trainer(path: Path) -> dict[str, Any]:
+    """A checkpoint's ``trainer.json``, with the types its readers rely on."""
+    fields: dict[str, Any] = {"step": int, "tokens": (int, float), "adam_steps": int, "layout": dict}
+    trainer = members.read_json(path, TRAINER, {**fields, "scheduler": dict}, error=CheckpointError)
+    where = f"{path / TRAINER}: layout.dp_size"
+    members.check_type(trainer["layout"].get("dp_size"), int, where, CheckpointError)
+    return trainer
 
 
 def _attempt(fn: Callable[[], Any]) -> str | None:

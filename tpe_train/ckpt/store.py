@@ -21,33 +21,31 @@ manifest) are reported, skipped and removed.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
 import sys
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from tpe_train.ckpt.errors import CheckpointError, UnknownFormat
 from tpe_train.ckpt.rundir import CONFIG, RunDir
 from tpe_train.config import Config
+from tpe_train.run import members, readers
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
 TRAINER = "trainer.json"
 FORMAT = "tpe-train-checkpoint/2"
 FORMATS = (FORMAT, "tpe-train-checkpoint/1")  # /1: every tensor whole, in model/optimizer.safetensors
+log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"^step-(\d{8})$")
-
-
-class CheckpointError(Exception):
-    """A checkpoint cannot be written or used; the message names the file and the fix."""
 
 
 def step_dir(root: Path, step: int) -> Path:
@@ -91,31 +89,19 @@ def write_manifest(directory: Path, step: int, layout: dict[str, Any], known: di
     write_json(directory / MANIFEST, {"format": FORMAT, "step": step, "layout": layout, "files": files})
 
 
-@contextlib.contextmanager
-def written_directory(out: Path) -> Iterator[Path]:
-    """A directory to fill that appears at ``out`` only once complete: the caller writes into the
-    yielded temporary sibling, which then replaces ``out`` (an older ``out`` is moved aside first and
-    removed last). An exception removes the temporary directory and leaves ``out`` as it was."""
-    out = Path(out)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    try:
-        yield tmp
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    old = out.with_name(f".{out.name}.old-{os.getpid()}")
-    if out.exists():
-        out.rename(old)
-    tmp.rename(out)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def publish(tmp: Path, final: Path) -> None:
     """Rename a finished checkpoint into place, then move ``latest`` to it."""
-    if final.exists():  # a stale copy of the same step (an earlier attempt): replace it
-        shutil.rmtree(final)
+    if final.exists():
+        if inspect(final).complete:  # a stale copy of the same step (an earlier attempt): replace it
+            shutil.rmtree(final)
+        else:  # not the protocol's own (a copy coming in, a newer format): keep it, out of the way
+            aside = final.with_name(f"{final.name}.unreadable")
+            n = 1
+            while aside.exists():
+                n += 1
+                aside = final.with_name(f"{final.name}.unreadable{n}")
+            final.rename(aside)
+            log.warning("moved %s, which this version cannot read, aside to %s", final, aside)
     tmp.rename(final)
     fsync_dir(final.parent)
     pointer = final.parent / f".{LATEST}.tmp"
@@ -143,21 +129,45 @@ def inspect(path: Path) -> Entry:
     hashes are checked when the checkpoint is loaded)."""
     m = _STEP_DIR.match(path.name)
     step = int(m.group(1)) if m else -1
-    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    manifest_path = path / MANIFEST
-    if not manifest_path.is_file():
+    size = members.tree_size(path)
+    if members.lstat_regular(path / MANIFEST) is None:
         return Entry(path, step, False, "no manifest (the save did not finish)", size, {})
     try:
-        manifest = json.loads(manifest_path.read_text())
-        files = manifest["files"]
-        assert manifest.get("format") in FORMATS
-    except (ValueError, KeyError, AssertionError):
-        return Entry(path, step, False, "unreadable manifest", size, {})
-    for rel, info in files.items():
-        p = path / rel
-        if not p.is_file() or p.stat().st_size != info["size"]:
-            return Entry(path, step, False, f"{rel} missing or truncated", size, manifest.get("layout", {}))
-    return Entry(path, int(manifest["step"]), True, "", size, manifest.get("layout", {}))
+        manifest = read_manifest(path)
+    except UnknownFormat as err:
+        why = f"a manifest of format {err.found!r}, which this version does not know (a newer tpe-train's?)"
+        return Entry(path, step, False, why, size, {})
+    except CheckpointError as err:
+        return Entry(path, step, False, f"unreadable manifest: {str(err).split('; ')[0]}", size, {})
+    for rel, info in manifest["files"].items():
+        found = members.lstat_regular(path / rel)
+        if found is None or found.st_size != info["size"]:
+            why = "a symlink" if (path / rel).is_symlink() else "missing, truncated or not a plain file"
+            return Entry(path, step, False, f"{rel} {why}", size, manifest["layout"])
+    return Entry(path, manifest["step"], True, "", size, manifest["layout"])
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """A checkpoint's manifest, checked: its format, types, and every file name a plain name of the
+    checkpoint (``deepspeed/`` names: plain names under that folder) with a size and a hash."""
+    where = path / MANIFEST
+    manifest = members.read_json(
+        path, MANIFEST, {"step": int, "files": dict, "layout": dict}, error=CheckpointError
+    )
+    if manifest.get("format") not in FORMATS:
+        raise UnknownFormat(
+            manifest.get("format"),
+            f"{where} is of format {str(manifest.get('format'))[:40]!r}, which this tpe-train does not read "
+            f"({', '.join(FORMATS)}); use the tpe-train version that wrote it",
+        )
+    for rel, info in manifest["files"].items():
+        members.check_name(rel, where, nested=True, error=CheckpointError)
+        if "/" in rel and not rel.startswith("deepspeed/"):
+            members.check_name(rel, where, error=CheckpointError)  # only DeepSpeed's files are nested
+        members.check_type(info, dict, f"{where}: files[{rel!r}]", CheckpointError)
+        members.check_type(info.get("size"), int, f"{where}: files[{rel!r}].size", CheckpointError)
+        members.check_type(info.get("sha256"), str, f"{where}: files[{rel!r}].sha256", CheckpointError)
+    return manifest
 
 
 def entries(root: Path) -> list[Entry]:
@@ -176,28 +186,48 @@ def latest_complete(root: Path) -> tuple[Entry | None, list[Entry]]:
     """The newest complete checkpoint (``latest`` if it is complete) and the incomplete ones skipped."""
     all_entries = entries(root)
     skipped = [e for e in all_entries if not e.complete]
-    pointer = root / LATEST
-    if pointer.is_file():
-        named = root / pointer.read_text().strip()
-        if named.is_dir():
-            entry = inspect(named)
-            newer = [e for e in all_entries if e.complete and e.step > entry.step]
-            if entry.complete and not newer:
-                return entry, skipped
+    named = latest_named(root)
+    if named is not None and named.is_dir() and not named.is_symlink():
+        entry = inspect(named)
+        newer = [e for e in all_entries if e.complete and e.step > entry.step]
+        if entry.complete and not newer:
+            return entry, skipped
     complete = [e for e in all_entries if e.complete]
     return (complete[-1] if complete else None), skipped
 
 
+def latest_named(root: Path) -> Path | None:
+    """The checkpoint that ``root/latest`` names (None without the file): a ``step-<8 digits>`` folder
+    beside it, nothing else."""
+    if not (root / LATEST).exists() and not (root / LATEST).is_symlink():
+        return None
+    name = members.read_text(root, LATEST, 4096, CheckpointError).strip()
+    if not _STEP_DIR.match(name):
+        raise CheckpointError(
+            f"{root / LATEST} names {name[:80]!r}, not a checkpoint folder beside it (step-<8 digits>); "
+            f"nothing was read through it. Delete {root / LATEST} (the newest complete checkpoint is then "
+            "used) or write into it the name of one of the step-* folders listed by `tpe-ckpt list`"
+        )
+    return root / name
+
+
 def verify(path: Path, names: list[str]) -> None:
     """Check the SHA-256 of the files tpe-train is about to read against the manifest."""
-    manifest = json.loads((path / MANIFEST).read_text())
+    manifest = read_manifest(path)
     for name in names:
         info = manifest["files"].get(name)
         if info is None:
+            members.check_name(name, path / MANIFEST, error=CheckpointError)
             raise CheckpointError(
                 f"{path / name} is not listed in {path / MANIFEST}; the checkpoint is incomplete"
             )
-        if sha256(path / name) != info["sha256"]:
+        found = members.lstat_regular(path / name)
+        if found is not None and found.st_size != info["size"]:
+            raise CheckpointError(
+                f"{path / name} has {found.st_size} bytes, {info['size']} in {path / MANIFEST}: the file was "
+                "truncated or replaced; resume from another checkpoint (tpe-ckpt list) or restore it"
+            )
+        if members.sha256(path, name, CheckpointError, nested=True) != info["sha256"]:
             raise CheckpointError(
                 f"{path / name} does not match the hash in {path / MANIFEST}: the file was modified or "
                 "corrupted after it was written; resume from another checkpoint (tpe-ckpt list) or restore it"
@@ -206,7 +236,7 @@ def verify(path: Path, names: list[str]) -> None:
 
 def verify_all(path: Path) -> None:
     """Check every file of the manifest but DeepSpeed's own shards (``deepspeed/``, never read here)."""
-    manifest = json.loads((path / MANIFEST).read_text())
+    manifest = read_manifest(path)
     verify(path, [name for name in manifest["files"] if not name.startswith("deepspeed/")])
 
 
@@ -243,20 +273,9 @@ def resume_choice(resume: str, run_dir: Path) -> Path | None:
         except CheckpointError as err:
             failed.append((candidate, str(err).split("; ")[0]))  # what failed, not the strict advice
             continue
-        for bad, why in failed:
-            aside = bad.path.with_name(f"{bad.path.name}.corrupt")
-            n = 1
-            while aside.exists():
-                n += 1
-                aside = bad.path.with_name(f"{bad.path.name}.corrupt{n}")
-            bad.path.rename(aside)
-            print(
-                f"tpe-train: warning: skipping checkpoint {bad.path.name}: {why}. Moved aside to {aside} "
-                f"(inspect it, then delete it); resuming from {candidate.path.name}, the newest that "
-                "verifies (train.resume=latest would stop instead)",
-                file=sys.stderr,
-                flush=True,
-            )
+        with readers.alone(root) as free:
+            for bad, why in failed:
+                _move_aside(bad.path, why, candidate.path.name, free)
         return candidate.path
     raise CheckpointError(
         f"no checkpoint in {root} verifies against its manifest ({'; '.join(why for _, why in failed)}); "
@@ -264,10 +283,37 @@ def resume_choice(resume: str, run_dir: Path) -> Path | None:
     )
 
 
+def _move_aside(path: Path, why: str, chosen: str, free: bool) -> None:
+    """Rename a checkpoint that fails its hashes ``step-<N>.corrupt`` (``free``: no reader holds the
+    checkpoints; otherwise it stays, and the next resume verifies it again)."""
+    if not free:
+        print(
+            f"tpe-train: warning: skipping checkpoint {path.name}: {why}. It stays in place while another "
+            f"command reads this run's checkpoints; resuming from {chosen}, the newest that verifies",
+            file=sys.stderr,
+            flush=True,
+        )
+        return
+    aside = path.with_name(f"{path.name}.corrupt")
+    n = 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}.corrupt{n}")
+    path.rename(aside)
+    print(
+        f"tpe-train: warning: skipping checkpoint {path.name}: {why}. Moved aside to {aside} (inspect it, "
+        f"then delete it); resuming from {chosen}, the newest that verifies (train.resume=latest would stop "
+        "instead)",
+        file=sys.stderr,
+        flush=True,
+    )
+
+
 def check_compatible(path: Path, cfg: Config, vocab: str | None = None) -> None:
     """Refuse a checkpoint of another model config or tokenizer (``vocab``: the tokenizer's hash, when
     known), naming what differs."""
-    saved = yaml.safe_load((path / CONFIG).read_text())
+    saved = yaml.safe_load(members.read_text(path, CONFIG, error=CheckpointError))
+    members.check_type(saved, dict, f"{path / CONFIG}", CheckpointError)
     ours = cfg.model_dump(mode="json")["model"]
     differences = _diff(saved.get("model", {}), ours, "model")
     if differences:
@@ -275,7 +321,7 @@ def check_compatible(path: Path, cfg: Config, vocab: str | None = None) -> None:
             f"{path} was written by another model ({'; '.join(differences[:6])}); resume it with its own "
             "model settings, or start a new run directory (train.run_dir) or train.resume=never"
         )
-    trainer = json.loads((path / TRAINER).read_text())
+    trainer = members.read_json(path, TRAINER, error=CheckpointError)
     if vocab is not None and trainer.get("vocab_hash") != vocab:
         raise CheckpointError(
             f"{path} was trained with another tokenizer (vocabulary hash {trainer.get('vocab_hash')} against "
@@ -294,15 +340,28 @@ def _diff(saved: Any, ours: Any, prefix: str) -> list[str]:
 
 def prune(root: Path, keep_last: int, keep_every: int, keep_steps: tuple[int, ...] = ()) -> list[Path]:
     """Remove all but the last ``keep_last`` complete checkpoints, keeping any whose step is a
-    multiple of ``keep_every`` (> 0) or in ``keep_steps`` (the best validation's), and remove unfinished
-    leftovers. Returns what was removed."""
+    multiple of ``keep_every`` (> 0) or in ``keep_steps`` (the best validation's), and remove the save
+    protocol's own unfinished temporaries (``.tmp-*``). A ``step-*`` directory that is not complete (a
+    manifest of a format this version does not know, a copy still coming in, files missing) is never
+    the protocol's own leftover: it stays, with a warning naming it. Returns what was removed."""
     all_entries = entries(root)
     complete = [e for e in all_entries if e.complete]
     keep = {e.path for e in complete[-keep_last:]} if keep_last > 0 else set()
     keep |= {
         e.path for e in complete if (keep_every > 0 and e.step % keep_every == 0) or e.step in keep_steps
     }
-    removed = [e.path for e in all_entries if e.path not in keep]
+    removed = []
+    for e in all_entries:
+        if e.complete or e.path.name.startswith(".tmp-"):
+            if e.path not in keep:
+                removed.append(e.path)
+        else:
+            log.warning(
+                "not pruning %s: %s; it is not a checkpoint this version can read (inspect it, then move "
+                "or delete it yourself)",
+                e.path,
+                e.reason,
+            )
     for path in removed:
         shutil.rmtree(path, ignore_errors=True)
     return removed

@@ -7,8 +7,10 @@ variable); typing and validation use pydantic (unknown keys, wrong types and imp
 are errors that name the key and the fix). Every field carries a one-line docstring, which is its
 documentation.
 
-``sections``: the classes; ``loading``: presets, overrides, validation; ``reference``: the table of
-every key in docs/config.md (``python -m tpe_train.config``). Everything is importable from here.
+``sections``: the classes; ``types``: the strict value types of their keys (no boolean taken as a
+number, finite numbers, seeds in numpy's range, ascending buckets) and what each takes, in words;
+``loading``: presets, overrides, validation; ``reference``: the table of every key in docs/config.md
+(``python -m tpe_train.config``). Everything is importable from here.
 """
 
 from tpe_train.config import plugins  # the user's own encodings, read at the first lookup

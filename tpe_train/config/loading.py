@@ -10,8 +10,10 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from tpe_train.config.sections import Config, ConfigError
+from tpe_train.config.types import allowed
 
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
 
@@ -38,7 +40,7 @@ def _read_preset(preset: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
         raise ConfigError(f"preset {path} inherits from itself through 'base:'; break the cycle")
     try:
         data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as err:
+    except (yaml.YAMLError, ValueError) as err:  # ValueError: a number of more than 4300 digits
         raise ConfigError(f"preset {path} is not valid YAML ({err}); fix the file") from None
     if not isinstance(data, dict):
         raise ConfigError(f"preset {path} must be a YAML mapping of sections, got {type(data).__name__}")
@@ -66,8 +68,12 @@ def parse_overrides(overrides: list[str]) -> dict[str, Any]:
             )
     try:
         out = OmegaConf.to_container(OmegaConf.from_dotlist(overrides))
-    except OmegaConfBaseException as err:
-        raise ConfigError(f"cannot read the overrides {overrides}: {err}") from None
+    except (OmegaConfBaseException, yaml.YAMLError, ValueError) as err:  # ValueError: a 5000-digit number
+        first = str(err).splitlines()[0] if str(err) else type(err).__name__
+        raise ConfigError(
+            f"cannot read the overrides {overrides} ({first}); write each as KEY=VALUE with a YAML "
+            "value, quoting text that holds special characters"
+        ) from None
     assert isinstance(out, dict)
     return out  # type: ignore[return-value]
 
@@ -108,10 +114,11 @@ def validate(data: dict[str, Any]) -> Config:
 def format_errors(err: ValidationError) -> str:
     lines = []
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"])
+        loc = _config_loc(e["loc"])
+        key = ".".join(str(p) for p in loc)
         if e["type"] == "extra_forbidden":
-            parent = ".".join(str(p) for p in e["loc"][:-1])
-            valid = _section_fields(e["loc"][:-1])
+            parent = ".".join(str(p) for p in loc[:-1])
+            valid = _section_fields(loc[:-1])
             where = f"in section '{parent}'" if parent else "at the top level"
             lines.append(
                 f"unknown key '{key}' {where}; valid keys are: {', '.join(valid)} "
@@ -121,9 +128,42 @@ def format_errors(err: ValidationError) -> str:
             # our validators' messages already name their dotted keys
             lines.append(str(e.get("ctx", {}).get("error", e["msg"])))
         else:
-            got = e.get("input")
-            lines.append(f"{key}: {e['msg']} (got {got!r}); fix the value in the preset or override")
+            field = _field(loc)
+            takes = f"; {_field_key(loc)} takes {allowed(field)}" if field is not None else ""
+            got = _shown(e.get("input"))
+            lines.append(f"{key}: {e['msg']} (got {got}){takes}; fix the value in the preset or override")
     return "invalid configuration: " + "; ".join(lines)
+
+
+def _config_loc(loc: tuple[int | str, ...]) -> tuple[int | str, ...]:
+    """The dotted path of an error without pydantic's names of union members (``int``, ``none``, ...)."""
+    return tuple(p for p in loc if isinstance(p, int) or p.isidentifier())
+
+
+def _shown(value: Any) -> str:
+    """A short ``repr`` of a bad value (a huge number or a long text is not printed whole)."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 256:
+        return f"a number of about {int(value.bit_length() * 0.30103)} digits"
+    text = repr(value)
+    return text if len(text) <= 80 else text[:60] + f"... ({len(text)} characters)"
+
+
+def _field(loc: tuple[int | str, ...]) -> FieldInfo | None:
+    """The field an error's location names (a list item's: the list's), if it is one."""
+    cls: type[BaseModel] = Config
+    found = None
+    for part in loc:
+        if not isinstance(part, str) or part not in cls.model_fields:
+            break
+        found = cls.model_fields[part]
+        ann = found.annotation
+        if isinstance(ann, type) and issubclass(ann, BaseModel):
+            cls = ann
+    return found
+
+
+def _field_key(loc: tuple[int | str, ...]) -> str:
+    return ".".join(str(p) for p in loc if isinstance(p, str))
 
 
 def _section_fields(loc: tuple[int | str, ...]) -> list[str]:

@@ -9,8 +9,11 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator, model_validator
 
+from tpe_train.config.types import Beta, Bool, Buckets, Float, Int, Seed, Text
 from tpe_train.model.args import ModelArgs
+from tpe_train.model.attention import check_flex_dropout
 from tpe_train.positions import POSITIONS, PositionArgs
+from tpe_train.positions.rotary import check_head_dim
 
 
 class ConfigError(ValueError):
@@ -24,25 +27,25 @@ class Section(BaseModel):
 
 
 class PositionConfig(Section):
-    kind: str = "sinusoidal"
+    kind: Text = Field("sinusoidal", json_schema_extra={"takes": "one of " + ", ".join(POSITIONS.names())})
     """Position encoding: none, sinusoidal, learned, shaw, t5, rope or alibi."""
-    encoder: bool = True
+    encoder: Bool = True
     """Use the encoding in encoder self-attention (false: no position information there)."""
-    decoder: bool = True
+    decoder: Bool = True
     """Use the encoding in decoder self-attention (false: no position information there)."""
-    cross: str = "none"
+    cross: Text = Field("none", json_schema_extra={"takes": "one of " + ", ".join(POSITIONS.names())})
     """Encoding of decoder-encoder attention (none in all published setups)."""
-    max_positions: int = Field(1024, ge=1)
+    max_positions: Int = Field(1024, ge=1)
     """learned: rows of the absolute table; the longest sequence it can represent."""
-    shaw_clip: int = Field(16, ge=1)
+    shaw_clip: Int = Field(16, ge=1)
     """shaw: relative distances are clipped to [-k, k]."""
-    shaw_values: bool = False
+    shaw_values: Bool = False
     """shaw: also add relative value embeddings (explicit attention weights; slower)."""
-    t5_buckets: int = Field(32, ge=2)
+    t5_buckets: Int = Field(32, ge=2)
     """t5: number of relative-position buckets."""
-    t5_max_distance: int = Field(128, ge=2)
+    t5_max_distance: Int = Field(128, ge=2)
     """t5: distances at or beyond this share the last bucket."""
-    rope_base: float = Field(10000.0, gt=1.0)
+    rope_base: Float = Field(10000.0, gt=1.0)
     """rope: frequency base theta."""
 
     @model_validator(mode="after")
@@ -66,23 +69,23 @@ class PositionConfig(Section):
 
 
 class ModelConfig(Section):
-    d_model: int = Field(512, ge=2)
+    d_model: Int = Field(512, ge=2)
     """Width of embeddings and residual stream."""
-    n_heads: int = Field(8, ge=1)
+    n_heads: Int = Field(8, ge=1)
     """Attention heads; must divide d_model."""
-    ffn_dim: int = Field(2048, ge=1)
+    ffn_dim: Int = Field(2048, ge=1)
     """Inner width of the position-wise feed-forward network."""
-    encoder_layers: int = Field(6, ge=1)
+    encoder_layers: Int = Field(6, ge=1)
     """Encoder layers."""
-    decoder_layers: int = Field(6, ge=1)
+    decoder_layers: Int = Field(6, ge=1)
     """Decoder layers."""
-    dropout: float = Field(0.1, ge=0.0, lt=1.0)
+    dropout: Float = Field(0.1, ge=0.0, lt=1.0)
     """Dropout on embeddings and residual branches."""
-    attention_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    attention_dropout: Float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout on attention probabilities."""
-    activation_dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    activation_dropout: Float = Field(0.0, ge=0.0, lt=1.0)
     """Dropout after the FFN activation."""
-    pre_norm: bool = False
+    pre_norm: Bool = False
     """Pre-norm layers (LayerNorm before each sublayer) instead of the paper's post-norm."""
     attention: Literal["auto", "flex", "sdpa", "explicit"] = "auto"
     """Attention backend. auto: sdpa on every device.
@@ -100,18 +103,9 @@ class ModelConfig(Section):
                 f"model.d_model ({self.d_model}) is not divisible by model.n_heads ({self.n_heads}); "
                 "choose n_heads that divides d_model"
             )
-        if self.attention == "flex" and self.attention_dropout > 0:
-            raise ValueError(
-                f"model.attention=flex has no dropout on the attention weights, but "
-                f"model.attention_dropout={self.attention_dropout}; set model.attention_dropout=0 or "
-                "choose model.attention=sdpa"
-            )
-        uses_rope = "rope" in (self.position.kind, self.position.cross)
-        if uses_rope and (self.d_model // self.n_heads) % 2:
-            raise ValueError(
-                f"rope needs an even head dimension, but d_model/n_heads = "
-                f"{self.d_model // self.n_heads}; change model.d_model or model.n_heads"
-            )
+        check_flex_dropout(self.attention, self.attention_dropout)
+        if "rope" in (self.position.kind, self.position.cross):
+            check_head_dim(self.d_model // self.n_heads)
         return self
 
     def args(self, vocab_size: int, pad_id: int, bos_id: int, eos_id: int) -> ModelArgs:
@@ -150,25 +144,25 @@ class ModelConfig(Section):
 
 
 class SyntheticConfig(Section):
-    seed: int = 1234
+    seed: Seed = 1234
     """Seed of the generator (the corpus is a pure function of this section)."""
-    train_size: int = Field(30000, ge=1)
+    train_size: Int = Field(30000, ge=1)
     """Training pairs."""
-    valid_size: int = Field(500, ge=1)
+    valid_size: Int = Field(500, ge=1)
     """Validation pairs (same length range as training)."""
-    test_size: int = Field(1000, ge=1)
+    test_size: Int = Field(1000, ge=1)
     """Test pairs (same length range as training)."""
-    long_size: int = Field(300, ge=0)
+    long_size: Int = Field(300, ge=0)
     """Test pairs longer than any training pair (length extrapolation)."""
-    probe_size: int = Field(200, ge=1)
+    probe_size: Int = Field(200, ge=1)
     """Word-order minimal pairs (subject and object swapped)."""
-    min_words: int = Field(4, ge=4)
+    min_words: Int = Field(4, ge=4)
     """Shortest source sentence, in words (with the final period)."""
-    max_words: int = Field(30, ge=4)
+    max_words: Int = Field(30, ge=4)
     """Longest training/valid/test source sentence, in words."""
-    long_max_words: int = Field(50, ge=5)
+    long_max_words: Int = Field(50, ge=5)
     """Longest source sentence of the extrapolation set (they start at max_words + 1)."""
-    probe_max_words: int = Field(12, ge=5)
+    probe_max_words: Int = Field(12, ge=5)
     """Longest probe sentence, in words."""
 
     @model_validator(mode="after")
@@ -184,13 +178,13 @@ class SyntheticConfig(Section):
 class CleanConfig(Section):
     normalize: Literal["NFC", "NFKC", "none"] = "NFKC"
     """Unicode normalisation of both sides (whitespace is always stripped and collapsed)."""
-    min_words: int = Field(1, ge=1)
+    min_words: Int = Field(1, ge=1)
     """Drop training pairs with fewer words than this on either side."""
-    max_words: int = Field(250, ge=1)
+    max_words: Int = Field(250, ge=1)
     """Drop training pairs with more words than this on either side."""
-    max_ratio: float = Field(9.0, ge=0.0)
+    max_ratio: Float = Field(9.0, ge=0.0)
     """Drop training pairs whose word-count ratio exceeds this (Moses clean-corpus-n; 0: off)."""
-    dedup: bool = False
+    dedup: Bool = False
     """Drop exact duplicate training pairs (after normalisation)."""
 
 
@@ -199,49 +193,49 @@ class DataConfig(Section):
     """Corpus source: the embedded synthetic pair, a hub dataset, hub-layout parquet, save_to_disk, text."""
     synthetic: SyntheticConfig = Field(default_factory=SyntheticConfig)
     """Parameters of the synthetic corpus."""
-    path: str = ""
+    path: Text = ""
     """Directory of a parquet / disk / text corpus (text: <split>.<lang>[.gz] line-aligned files)."""
-    hub_id: str = "wmt/wmt14"
+    hub_id: Text = "wmt/wmt14"
     """Hub dataset id (corpus=hub)."""
-    hub_config: str = ""
+    hub_config: Text = ""
     """Hub dataset config, e.g. de-en (default: the two languages, sorted, joined by '-')."""
-    cache_dir: str = ""
+    cache_dir: Text = ""
     """`datasets` cache directory (default: HF_DATASETS_CACHE); HF_DATASETS_OFFLINE=1 is honoured."""
-    src_lang: str = "en"
+    src_lang: Text = "en"
     """Source language code."""
-    tgt_lang: str = "de"
+    tgt_lang: Text = "de"
     """Target language code."""
-    train_split: str = "train"
+    train_split: Text = "train"
     """Name of the training split."""
-    valid_split: str = "validation"
+    valid_split: Text = "validation"
     """Name of the validation split."""
-    test_split: str = "test"
+    test_split: Text = "test"
     """Name of the test split."""
     bad_utf8: Literal["error", "replace"] = "error"
     """Text corpora: stop on bytes that are not UTF-8 (error) or substitute U+FFFD (replace)."""
     clean: CleanConfig = Field(default_factory=CleanConfig)
     """Cleaning of the training split (real corpora)."""
-    num_proc: int = Field(1, ge=1)
+    num_proc: Int = Field(1, ge=1)
     """Processes for cleaning and tokenising with datasets.map."""
-    streaming: bool = False
+    streaming: Bool = False
     """Read the training split as a stream (no token store): for corpora too large to prepare."""
-    shuffle_buffer: int = Field(10000, ge=1)
+    shuffle_buffer: Int = Field(10000, ge=1)
     """Streaming: pairs in the shuffle buffer."""
-    tokenizer_sample: int = Field(1_000_000, ge=1)
+    tokenizer_sample: Int = Field(1_000_000, ge=1)
     """The joint tokenizer is trained on this many training pairs: spread evenly over a prepared corpus
     (all of it when smaller), the first ones of a stream."""
-    store_dir: str = ""
+    store_dir: Text = ""
     """Root of the binarised token stores (default: $TPE_DATA_CACHE or ~/.cache/tpe-train/data)."""
     tokenizer: Literal["bpe", "unigram"] = "bpe"
     """Joint subword model trained with `tokenizers` on both sides."""
-    vocab_size: int = Field(8000, ge=16)
+    vocab_size: Int = Field(8000, ge=16)
     """Joint vocabulary size (special tokens included)."""
-    max_tokens: int = Field(4096, ge=0)
+    max_tokens: Int = Field(4096, ge=0, json_schema_extra={"takes": "auto, or a whole number >= 16"})
     """The micro-batch: at most this many padded source + target tokens per batch of one rank; auto (a
     GPU only; written 0 inside): the largest multiple of 64 whose forward, backward and optimizer step on
     the longest batches fits in train.memory_fraction of the device, probed before step 1 and recorded
     in <run_dir>/batch.json for a resume."""
-    max_len: int = Field(256, ge=4)
+    max_len: Int = Field(256, ge=4)
     """Training pairs with more tokens than this on either side are dropped."""
 
     @field_validator("max_tokens", mode="before")
@@ -281,102 +275,102 @@ class DataConfig(Section):
 
 
 class TrainConfig(Section):
-    run_dir: str = ""
+    run_dir: Text = ""
     """Output directory (config, TensorBoard events, checkpoint); empty: runs/<preset>-<kind>-s<seed>."""
-    seed: int = 1
+    seed: Seed = 1
     """Seed of parameter initialisation, dropout and batch order."""
-    max_steps: int = Field(1000, ge=1)
+    max_steps: Int = Field(1000, ge=1)
     """Optimizer steps to train."""
-    accumulate: int = Field(1, ge=1)
+    accumulate: Int = Field(1, ge=1)
     """Micro-batches per rank per optimizer step (gradient accumulation); derived, and left at 1 here,
     when train.batch_tokens is set."""
-    batch_tokens: int = Field(0, ge=0)
+    batch_tokens: Int = Field(0, ge=0)
     """The global batch: target tokens per optimizer step over all ranks (the papers: 25,000). The
     accumulation is then the smallest that reaches it: ceil(batch_tokens / (dp ranks x the mean target
     tokens of a micro-batch)), see docs/distributed.md; 0: train.accumulate micro-batches per rank."""
-    memory_fraction: float = Field(0.9, gt=0.0, le=1.0)
+    memory_fraction: Float = Field(0.9, gt=0.0, le=1.0)
     """data.max_tokens=auto: the share of the GPU's memory the probed training step may use at its peak."""
     activation_checkpointing: Literal["none", "layers", "every_n"] = "none"
     """Recompute activations in the backward instead of keeping them (torch.utils.checkpoint,
     non-reentrant, the same dropout masks): none; layers: every encoder and decoder layer; every_n: every
     train.checkpoint_every-th layer of each stack (the first, then every n-th)."""
-    checkpoint_every: int = Field(2, ge=1)
+    checkpoint_every: Int = Field(2, ge=1)
     """train.activation_checkpointing=every_n: checkpoint layers 0, n, 2n, ... of each stack."""
-    loss_chunk_tokens: int = Field(0, ge=0)
+    loss_chunk_tokens: Int = Field(0, ge=0)
     """Target tokens per chunk of the output layer and the loss: each chunk's (tokens x vocabulary)
     logits are made, scored and dropped, and made again in the backward, so one chunk's are alive at a
     time; the memory no layer checkpoint removes (docs/distributed.md). Costs the output layer's product
     once more. 0: the whole micro-batch at once."""
-    lr: float = Field(7e-4, gt=0.0)
+    lr: Float = Field(7e-4, gt=0.0)
     """Peak learning rate, reached at the end of warmup."""
-    warmup_steps: int = Field(4000, ge=0)
+    warmup_steps: Int = Field(4000, ge=0)
     """Linear warmup steps, then lr * sqrt(warmup / step) (inverse square root)."""
-    adam_betas: tuple[float, float] = (0.9, 0.98)
+    adam_betas: tuple[Beta, Beta] = (0.9, 0.98)
     """Adam beta1 and beta2."""
-    adam_eps: float = Field(1e-9, gt=0.0)
+    adam_eps: Float = Field(1e-9, gt=0.0)
     """Adam epsilon."""
-    weight_decay: float = Field(0.0, ge=0.0)
+    weight_decay: Float = Field(0.0, ge=0.0)
     """Decoupled weight decay (AdamW); 0 for the paper's Adam."""
-    clip_norm: float = Field(1.0, ge=0.0)
+    clip_norm: Float = Field(1.0, ge=0.0)
     """Clip the global gradient norm to this value (0: no clipping)."""
-    label_smoothing: float = Field(0.1, ge=0.0, lt=1.0)
+    label_smoothing: Float = Field(0.1, ge=0.0, lt=1.0)
     """Label smoothing epsilon."""
-    bf16: bool = False
+    bf16: Bool = False
     """bf16: autocast on one process; under DeepSpeed, bf16 weights with fp32 master weights."""
-    fp16: bool = False
+    fp16: Bool = False
     """fp16 autocast with dynamic loss scaling, for GPUs without bf16 (V100, T4): torch's loss scaler on
     one process and under DDP, DeepSpeed's under DeepSpeed (GPUs only). An overflow skips the update
     on the device; the step still counts, as the host does not wait to know. Runs on a CPU too
     (slowly)."""
-    loss_scale_power: int = Field(16, ge=0, le=32)
+    loss_scale_power: Int = Field(16, ge=0, le=32)
     """fp16: the dynamic loss scale starts at 2**loss_scale_power."""
-    loss_scale_window: int = Field(1000, ge=1)
+    loss_scale_window: Int = Field(1000, ge=1)
     """fp16: steps without an overflow before the loss scale doubles (an overflow halves it)."""
-    threads: int = Field(0, ge=0)
+    threads: Int = Field(0, ge=0)
     """torch intra-op threads (0: leave torch's default)."""
     cpu_gemm: Literal["auto", "onednn", "default"] = "auto"
     """Kernels of the linear layers' training GEMMs on a CPU (tpe_train/model/kernels.py): auto = oneDNN
     for fp32 where it beats MKL (AVX-512 processors not made by Intel) and bf16 widened to fp32 where
     the CPU has no bf16 kernels; onednn = fp32 always through oneDNN; default = PyTorch's kernels."""
-    peak_gflops: float = Field(0.0, ge=0.0)
+    peak_gflops: Float = Field(0.0, ge=0.0)
     """GEMM peak of one device in the training precision, GFLOP/s, that train/mfu is measured against;
     0: measured at start-up (about a second; the best of PyTorch's, oneDNN's and widened kernels)."""
-    log_every: int = Field(10, ge=1)
+    log_every: Int = Field(10, ge=1)
     """Steps between TensorBoard scalars (and log lines when no progress bar is shown)."""
-    valid_every: int = Field(500, ge=1)
+    valid_every: Int = Field(500, ge=1)
     """Steps between validations (loss and greedy BLEU); also done at the end."""
-    valid_bleu_size: int = Field(200, ge=0)
+    valid_bleu_size: Int = Field(200, ge=0)
     """Validation sentences translated (greedy) for BLEU during training; 0: skip."""
-    diagnostics_every: int = Field(100, ge=0)
+    diagnostics_every: Int = Field(100, ge=0)
     """Steps between position diagnostics in TensorBoard, also done at the last step (0: none): per layer
     and head of encoder and decoder self-attention the mean attention distance on the first 64
     validation pairs; a learned table's row similarity as an image at the diagnostics steps that are
     also validation steps (valid_every) and the last (docs/positions.md)."""
-    progress: bool = True
+    progress: Bool = True
     """Show a progress bar when stderr is a terminal; otherwise, or when false, rank 0 prints a line of
     figures (loss, lr, tokens/s, MFU) every log_every steps on stdout. Validation lines are always printed."""
-    save_every: int = Field(1000, ge=0)
+    save_every: Int = Field(1000, ge=0)
     """Steps between checkpoints in <run_dir>/checkpoints (0: only at the end); also on preemption."""
-    keep_last: int = Field(5, ge=1)
+    keep_last: Int = Field(5, ge=1)
     """Complete checkpoints kept (the newest ones; keep at least as many as you will average)."""
-    keep_every: int = Field(0, ge=0)
+    keep_every: Int = Field(0, ge=0)
     """Also keep every checkpoint whose step is a multiple of this (0: none)."""
-    resume: str = "auto"
+    resume: Text = "auto"
     """auto: continue from the newest checkpoint of <run_dir>/checkpoints that verifies against its manifest
     (a newer one that fails is moved aside as step-N.corrupt, with a warning); latest: the newest complete
     one, and stop if a file fails its hash (strict); never: start from step 0; or a checkpoint path."""
-    async_save: bool = False
+    async_save: Bool = False
     """Save in the background: the state is copied to host memory, then written while training goes on;
     the next save, the end and a preemption signal wait for it, and it is published only when complete."""
-    deepspeed_shards: bool = False
+    deepspeed_shards: Bool = False
     """Also write DeepSpeed's own shard files (checkpoint's deepspeed/, for zero_to_fp32 and universal
     conversion); tpe-train never reads them, and they double the bytes written."""
-    patience: int = Field(0, ge=0)
+    patience: Int = Field(0, ge=0)
     """Early stopping: stop after this many validations in a row without improving eval.select_by
     (0: train max_steps); trainer state, restored on resume."""
-    log_samples: bool = False
+    log_samples: Bool = False
     """Write the pair ids of every training batch to <run_dir>/samples/rank-<r>.jsonl (audits resume)."""
-    compile: bool = False
+    compile: Bool = False
     """Compile every encoder and decoder layer's training forward and backward with torch.compile
     (regional compilation); one process, DDP and DeepSpeed ZeRO-0/1/2, not ZeRO-3 or tensor
     parallelism. Validation and decoding run the eager layers. The first steps pay the compilation."""
@@ -408,27 +402,28 @@ RESUME_MODES = ("auto", "latest", "never")
 
 
 class ParallelConfig(Section):
-    tp_size: int | None = Field(None, ge=1)
+    tp_size: Int | None = Field(None, ge=1)
     """Tensor-parallel size (DeepSpeed AutoTP); empty: the launch file's autotp_size, else 1."""
 
 
 class EvalConfig(Section):
-    beam: int = Field(4, ge=1)
+    beam: Int = Field(4, ge=1)
     """Beam size (1: greedy)."""
-    alpha: float = Field(0.6, ge=0.0)
+    alpha: Float = Field(0.6, ge=0.0)
     """Length penalty exponent ((5 + len) / 6) ** alpha."""
-    max_len_a: float = Field(1.0, ge=0.0)
+    max_len_a: Float = Field(1.0, ge=0.0)
     """Maximum output length = a * source length + b."""
-    max_len_b: int = Field(50, ge=1)
+    max_len_b: Int = Field(50, ge=1)
     """Maximum output length = a * source length + b."""
-    batch_size: int = Field(128, ge=1)
+    batch_size: Int = Field(128, ge=1)
     """Sentences per decoding batch at most."""
-    max_tokens: int = Field(6000, ge=1)
+    max_tokens: Int = Field(6000, ge=1)
     """Padded source tokens (EOS included) per decoding batch at most; batches are cut after sorting
     the sentences by length."""
-    length_buckets: list[int] = Field(default_factory=lambda: [10, 20, 30, 40])
-    """Upper edges (source words) of the length buckets BLEU is reported for; a last open bucket follows."""
-    at_end: bool = True
+    length_buckets: Buckets = Field(default_factory=lambda: [10, 20, 30, 40])
+    """Upper edges (source words, ascending) of the length buckets BLEU is reported for; a last open
+    bucket follows."""
+    at_end: Bool = True
     """Evaluate the final model on the test sets when training ends."""
     select: Literal["last", "best", "average_last"] = "last"
     """The final model, exported and evaluated: last (the last step's weights), best (the checkpoint of the
@@ -436,7 +431,7 @@ class EvalConfig(Section):
     select_by: Literal["loss", "bleu"] = "loss"
     """Validation figure of eval.select=best and train.patience: loss (nll per token, lower is better) or
     bleu (greedy BLEU on train.valid_bleu_size sentences, higher is better)."""
-    average_last: int = Field(1, ge=1)
+    average_last: Int = Field(1, ge=1)
     """eval.select=average_last: the final model is the mean of the last N >= 2 complete checkpoints,
     exported to <run_dir>/averaged-lastN (the papers: 5 base, 20 big). N > 1 with no eval.select given
     means select=average_last (configs older than eval.select)."""
@@ -451,7 +446,9 @@ class EvalConfig(Section):
 
 
 class Config(Section):
-    preset: str = "demo"
+    preset: Text = Field(
+        "demo", json_schema_extra={"takes": "letters, digits and ._-, starting with a letter or digit"}
+    )
     """Name of the preset this config came from: letters, digits and ._- (it names the run directory and
     Slurm jobs); default the preset file's name."""
     model: ModelConfig = Field(default_factory=ModelConfig)

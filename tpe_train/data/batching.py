@@ -78,10 +78,6 @@ class BatchIterator:
         self.seed, self.dp_rank, self.dp_size = seed, dp_rank, dp_size
         self.state = state or BatchState()
 
-    @property
-    def steps_per_epoch(self) -> float:
-        return len(self.batches) / self.dp_size
-
     def _order(self, epoch: int) -> np.ndarray:
         return np.random.default_rng([self.seed, epoch]).permutation(len(self.batches))
 

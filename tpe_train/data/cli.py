@@ -4,11 +4,16 @@ the ranks of a multi-node job only read it."""
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
 
 from tpe_train.config import ConfigError, load_config
 from tpe_train.data.corpus import prepare
 from tpe_train.data.sources import CorpusError
+from tpe_train.run import logs
+from tpe_train.run.members import MemberError
+
+log = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -19,14 +24,15 @@ def main(argv: list[str] | None = None) -> int:
     prep.add_argument("--preset", default="demo", help="preset name in configs/presets or a YAML path")
     prep.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.corpus=text data.path=DIR")
     args = parser.parse_args(argv)
+    logs.configure("tpe-data")
     try:
         cfg = load_config(args.preset, args.overrides)
         data = prepare(cfg.data)
-    except (ConfigError, CorpusError) as err:
-        print(f"tpe-data: {err}", file=sys.stderr)
+    except (ConfigError, CorpusError, MemberError) as err:  # MemberError: a damaged token store
+        log.error("%s", err)
         return 2
     for line in data.splits.report:
-        print(f"cleaning {line}")
+        log.info("cleaning %s", line)
     print(
         f"{'built' if data.built else 'reused'} {data.store}: {len(data.train)} training pairs "
         f"({data.dropped_too_long} longer than data.max_len={cfg.data.max_len} dropped), "

@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING, Any
 from datasets import Dataset, load_from_disk
 from tokenizers import Tokenizer
 
-from tpe_train.data.tokenizer import load_tokenizer, vocab_hash
+from tpe_train.data.sources import CorpusError
+from tpe_train.data.tokenizer import vocab_hash
+from tpe_train.run import members
+from tpe_train.run.atomic import temp_name
+from tpe_train.run.outputs import mark_output
 
 if TYPE_CHECKING:
     from tpe_train.config import DataConfig
@@ -43,30 +47,58 @@ def store_path(cfg: DataConfig) -> Path:
 def load_store(path: Path) -> tuple[Tokenizer, Dataset, Dataset, dict[str, Any]] | None:
     """(tokenizer, train, valid, metadata) of a complete store, or None when there is none."""
     meta_path = path / "meta.json"
-    if not meta_path.is_file():  # written last: its presence marks a complete store
+    if not meta_path.exists() and not meta_path.is_symlink():  # written last: marks a complete store
+        if path.is_dir() and any(path.iterdir()):  # a store is renamed into place whole: not one
+            raise CorpusError(
+                f"{path} exists but is not a token store (no meta.json): it is not tpe-data's to replace; "
+                "move or remove it yourself, or choose another data.store_dir"
+            )
         return None
-    meta = json.loads(meta_path.read_text())
-    tok = load_tokenizer(path / "tokenizer.json")
+    meta = members.read_json(path, "meta.json", {"vocab_hash": str}, members.MIB)
+    try:
+        tok = Tokenizer.from_str(members.read_text(path, "tokenizer.json"))
+    except Exception as err:  # the tokenizers library raises its own exception type
+        if isinstance(err, members.MemberError):
+            raise
+        raise members.MemberError(
+            f"{path / 'tokenizer.json'} is not a tokenizer ({err}); {members.FIX}"
+        ) from None
     if meta.get("vocab_hash") != vocab_hash(tok):
         raise ValueError(
             f"the token store {path} is inconsistent (its tokenizer.json does not match meta.json); "
             "delete the directory and prepare it again"
         )
-    train, valid = load_from_disk(str(path / "train")), load_from_disk(str(path / "valid"))
+    train, valid = (load_from_disk(str(_checked_split(path / name))) for name in ("train", "valid"))
     assert isinstance(train, Dataset) and isinstance(valid, Dataset)
     return tok, train, valid, meta
 
 
+def _checked_split(folder: Path) -> Path:
+    """A stored split whose ``state.json`` names only plain, regular files of the split's folder."""
+    state = members.read_json(folder, "state.json", {"_data_files": list}, members.MIB)
+    for entry in state["_data_files"]:
+        members.check_type(entry, dict, f"{folder / 'state.json'}: a data file", members.MemberError)
+        members.check_name(entry.get("filename"), folder / "state.json")
+        members.check_file(folder, entry["filename"])
+    members.check_file(folder, "dataset_info.json", members.MIB)
+    return folder
+
+
 def write_store(path: Path, tok: Tokenizer, train: Dataset, valid: Dataset, meta: dict[str, Any]) -> None:
     """Write under a temporary name, then rename: a crash never leaves a half store at ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tok.save(str(tmp / "tokenizer.json"))
-    for name, ds in (("train", train), ("valid", valid)):
-        # An empty set (a streamed corpus's train) needs one shard written, or it cannot be loaded back.
-        ds.save_to_disk(str(tmp / name), num_shards=1 if len(ds) == 0 else None)
-    (tmp / "meta.json").write_text(json.dumps({**meta, "vocab_hash": vocab_hash(tok)}, indent=2))
+    tmp = temp_name(path)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    tmp.mkdir()
+    try:
+        tok.save(str(tmp / "tokenizer.json"))
+        for name, ds in (("train", train), ("valid", valid)):
+            # An empty set (a streamed corpus's train) needs one shard written, or it cannot be loaded back.
+            ds.save_to_disk(str(tmp / name), num_shards=1 if len(ds) == 0 else None)
+        (tmp / "meta.json").write_text(json.dumps({**meta, "vocab_hash": vocab_hash(tok)}, indent=2))
+        mark_output(tmp, "tpe-data prepare", "token-store")
+    except BaseException:  # nothing half-written stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     try:
         tmp.rename(path)
     except OSError:  # another process finished the same store first: keep theirs

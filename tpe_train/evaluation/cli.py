@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
+import logging
 import os
 import sys
 from collections.abc import Iterator
@@ -16,13 +18,19 @@ from pathlib import Path
 from typing import IO
 
 import torch
+from tokenizers import Tokenizer
 from tqdm import tqdm
 
 from tpe_train.config import ConfigError, DataConfig
 from tpe_train.evaluation import evaluate as evaluate_module
 from tpe_train.evaluation import translate as translate_module
-from tpe_train.evaluation.decoding import DecodeOptions, InputError, device_from_arg, utf8_lines
-from tpe_train.evaluation.diagnostics import add_diagnostics_option, report_diagnostics
+from tpe_train.evaluation.decoding import (
+    DecodeOptions,
+    InputError,
+    device_from_arg,
+    encode_capped,
+    utf8_lines,
+)
 from tpe_train.evaluation.ensemble import load_models
 from tpe_train.evaluation.evaluate import (
     EvalFiles,
@@ -36,8 +44,12 @@ from tpe_train.evaluation.evaluate import (
     format_comparison,
     format_evaluation,
 )
-from tpe_train.evaluation.translate import translate_stream
+from tpe_train.evaluation.position_report import add_diagnostics_option, report_diagnostics
+from tpe_train.evaluation.translate import Tally, too_long_error, translate_stream
 from tpe_train.model.transformer import Transformer
+from tpe_train.run import logs
+
+log = logging.getLogger(__name__)
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -142,6 +154,7 @@ def eval_main(argv: list[str] | None = None) -> int:
     from tpe_train.ckpt.export import load_export
 
     args = eval_args(argv)
+    logs.configure("tpe-eval")
     try:
         if args.beam is not None and args.beam < 1:
             raise ValueError("--beam must be at least 1")
@@ -160,7 +173,7 @@ def eval_main(argv: list[str] | None = None) -> int:
             report = sys.stderr if args.json else None  # --json keeps stdout for the figures
             report_diagnostics(model.to(device), tok, cfg.data.max_len, sets[0].pairs, args.out, report)
     except (FileNotFoundError, ValueError, ConfigError) as err:  # CorpusError, InputError included
-        print(f"tpe-eval: {err}", file=sys.stderr)
+        log.error("%s", err)
         return 2
     if args.beam is not None:
         cfg.eval.beam = args.beam
@@ -191,6 +204,8 @@ def eval_main(argv: list[str] | None = None) -> int:
 # --------------------------------------------------------------------------------------------------
 # tpe-translate
 
+MAX_SOURCE_LEN = 1024  # subword tokens of a source line, for every encoding (--max-source-len)
+
 
 def translate_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
@@ -216,7 +231,20 @@ def translate_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-tokens", type=int, default=None, help="padded source tokens per batch")
     p.add_argument("--batch-size", type=int, default=None, help="sentences per batch at most")
     p.add_argument("--nbest", type=int, default=0, help="N best per sentence: LINE<TAB>SCORE<TAB>TEXT lines")
-    p.add_argument("--truncate", action="store_true", help="cut sentences too long for the encoder")
+    p.add_argument(
+        "--truncate",
+        action="store_true",
+        help="cut sentences longer than --max-source-len or than the encoder represents, instead of stopping "
+        "or leaving them empty",
+    )
+    p.add_argument(
+        "--max-source-len",
+        type=int,
+        default=MAX_SOURCE_LEN,
+        metavar="TOKENS",
+        help=f"longest source line, in subword tokens (default {MAX_SOURCE_LEN}); a longer one stops the "
+        "command naming it, or is cut with --truncate (decoding memory grows with the square of it)",
+    )
     p.add_argument("--pieces", action="store_true", help="write subword pieces instead of detokenised text")
     p.add_argument("--buffer-lines", type=int, default=100_000, help="lines sorted and translated at a time")
     p.add_argument(
@@ -243,7 +271,10 @@ def decode_options(args: argparse.Namespace, base: DecodeOptions) -> DecodeOptio
     if args.greedy and args.beam not in (None, 1):
         raise ValueError(f"--greedy is --beam 1; drop --beam {args.beam} or --greedy")
     given = {key: value for key, value in changes.items() if value is not None}
-    options = replace(base, **given, nbest=args.nbest, truncate=args.truncate, pieces=args.pieces)
+    if args.max_source_len < 1:
+        raise ValueError(f"--max-source-len must be at least 1 (subword tokens), got {args.max_source_len}")
+    flags = {"nbest": args.nbest, "truncate": args.truncate, "pieces": args.pieces}
+    options = replace(base, **given, **flags, max_source_len=args.max_source_len)
     if args.nbest < 0:
         raise ValueError(f"--nbest must be at least 1 (or 0: the best only), got {args.nbest}")
     if args.threads is not None and args.threads < 1:
@@ -263,9 +294,28 @@ def _count_lines(path: str) -> int:
         raise InputError(f"-i {path}: {err.strerror}; pass a UTF-8 text file, or - for stdin") from None
 
 
+def _check_lengths(path: str, tok: Tokenizer, limit: int) -> None:
+    """Every line of a file within ``limit`` subword tokens, checked before any decoding (an
+    ``InputError`` names the first longer one and how many more there are)."""
+    over: list[tuple[int, int, bool]] = []
+    with open(path, "rb") as f:
+        lines = utf8_lines(f, path)
+        first = 1
+        while chunk := list(itertools.islice(lines, 10_000)):
+            ids, cut = encode_capped(tok, chunk, limit)
+            over += [(first + i, len(seq), i in cut) for i, seq in enumerate(ids) if len(seq) > limit]
+            first += len(chunk)
+    if over:
+        number, tokens, at_least = over[0]
+        err = too_long_error(path, number, tokens, limit, at_least)
+        more = f" ({len(over) - 1} more lines are longer too)" if len(over) > 1 else ""
+        raise InputError(f"{err}{more}; nothing was translated")
+
+
 @contextlib.contextmanager
-def _output(path: str) -> Iterator[IO[str]]:
-    """stdout, or a file written under a temporary name and renamed into place when complete."""
+def _output(path: str, tally: Tally) -> Iterator[IO[str]]:
+    """stdout, or a file written under a temporary name and renamed into place when complete; a stop
+    partway keeps what was written (``tally.sentences`` input lines) as ``<path>.partial``."""
     if path == "-":
         yield sys.stdout
         return
@@ -273,8 +323,23 @@ def _output(path: str) -> Iterator[IO[str]]:
     tmp = target.with_name(f".{target.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "w", encoding="utf-8") as f:
-            yield f
+            try:
+                yield f
+            except BaseException:
+                f.flush()
+                os.fsync(f.fileno())
+                raise
         tmp.replace(target)
+    except BaseException:
+        if tally.sentences and tmp.exists():
+            partial = target.with_name(target.name + ".partial")
+            tmp.replace(partial)
+            log.warning(
+                "stopped after %s input lines; their translations are kept in %s",
+                f"{tally.sentences:,}",
+                partial,
+            )
+        raise
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -282,6 +347,7 @@ def _output(path: str) -> Iterator[IO[str]]:
 def translate_main(argv: list[str] | None = None) -> int:
     """Entry point of ``tpe-translate``."""
     args = translate_args(argv)
+    logs.configure("tpe-translate", info_stream="stderr")  # stdout: the translations
     try:
         device = device_from_arg(args.device)
         total = _count_lines(args.input) if args.input != "-" else None
@@ -290,27 +356,40 @@ def translate_main(argv: list[str] | None = None) -> int:
         loaded = load_models(args.checkpoint, args.position)
         model, cfg, tok = loaded.model, loaded.cfg, loaded.tok
         options = decode_options(args, DecodeOptions.of(cfg.eval))
+        if total is not None and not options.truncate:
+            _check_lengths(args.input, tok, options.max_source_len)
     except (FileNotFoundError, ValueError, ConfigError) as err:  # InputError included
-        print(f"tpe-translate: {err}", file=sys.stderr)
+        log.error("%s", err)
         return 2
     threads = args.threads or cfg.train.threads
     if threads:
         torch.set_num_threads(threads)
     model.to(device)
     if loaded.is_ensemble:
-        print(f"tpe-translate: {loaded.banner()}", file=sys.stderr)
+        log.info("%s", loaded.banner())
     show = args.progress if args.progress is not None else (total is not None and sys.stderr.isatty())
+    tally = Tally()
     try:
         with contextlib.ExitStack() as stack:
             source = stack.enter_context(open(args.input, "rb")) if total is not None else sys.stdin.buffer
-            out = stack.enter_context(_output(args.output))
+            out = stack.enter_context(_output(args.output, tally))
             bar = stack.enter_context(tqdm(total=total, unit="sent", disable=not show, file=sys.stderr))
             name = args.input if total is not None else "<stdin>"
-            tally = translate_stream(
-                model, tok, utf8_lines(source, name), out, options, args.buffer_lines, bar, sys.stderr
-            )
-    except InputError as err:  # stdin: bytes that are not UTF-8 after some lines were translated
-        print(f"tpe-translate: {err}", file=sys.stderr)
+            lines = utf8_lines(source, name)
+            translate_stream(model, tok, lines, out, options, args.buffer_lines, bar, sys.stderr, name, tally)
+    except InputError as err:  # stdin: bytes that are not UTF-8 or a line too long, after some lines
+        log.error("%s", err)
         return 2
-    print(tally.summary(), file=sys.stderr)
+    except KeyboardInterrupt:
+        log.warning("interrupted after %s input lines", f"{tally.sentences:,}")
+        return 130
+    except torch.OutOfMemoryError:
+        log.error(
+            "out of device memory while decoding the lines after line %s; lower --max-tokens (tokens per "
+            "batch) or --max-source-len, or pass --truncate",
+            f"{tally.sentences:,}",
+        )
+        return 1
+    for line in tally.summary():
+        log.info("%s", line)
     return 0

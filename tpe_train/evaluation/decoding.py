@@ -33,6 +33,33 @@ class InputError(ValueError):
     """Bad text input, with a message naming the file, the line and the fix."""
 
 
+class SourceTooLong(InputError):
+    """A source of more tokens than ``DecodeOptions.max_source_len``, met before anything was decoded;
+    ``index`` is its place among the sentences given."""
+
+    def __init__(self, index: int, tokens: int, limit: int, at_least: bool = False) -> None:
+        self.index, self.tokens, self.limit, self.at_least = index, tokens, limit, at_least
+        super().__init__(
+            f"sentence {index + 1} has {'at least ' if at_least else ''}{tokens} subword tokens, more than "
+            f"the limit of {limit}; raise the limit (decoding memory grows with it), or truncate to "
+            f"translate its first {limit} tokens"
+        )
+
+
+def encode_capped(tok: Tokenizer, texts: list[str], cap: int) -> tuple[list[list[int]], set[int]]:
+    """Token ids of each text (no special tokens); with ``cap`` > 0, a text long enough to hold more
+    than ``cap`` tokens for certain is encoded in its head only: ``4 x cap x`` the longest token's
+    characters (a token covers at most that many; NFKC joins at most three characters into one), which
+    holds more than ``cap`` tokens, the same first ``cap`` as the whole line. A line of any length so
+    costs time and memory in proportion to the cap, not to its length. Also returned: the indices of
+    the texts cut (their token count is a lower bound)."""
+    if not cap:
+        return encode(tok, texts), set()
+    head = 4 * cap * max((len(piece) for piece in tok.get_vocab()), default=1)
+    cut = {i for i, text in enumerate(texts) if len(text) > head}
+    return encode(tok, [text[:head] if i in cut else text for i, text in enumerate(texts)]), cut
+
+
 def utf8_lines(stream: IO[bytes], name: str) -> Iterator[str]:
     """The lines of a byte stream as text, without their line ends; bytes that are not UTF-8 stop
     with an ``InputError`` naming ``name`` and the line."""
@@ -81,7 +108,8 @@ class DecodeOptions:
     max_tokens: int  # padded source tokens (EOS included) per batch
     batch_size: int  # sentences per batch at most
     nbest: int = 0  # > 0: also the n best hypotheses of each sentence with their scores
-    truncate: bool = False  # cut over-long sources to what the encoder can represent
+    truncate: bool = False  # cut over-long sources to what the encoder can represent (and max_source_len)
+    max_source_len: int = 0  # > 0: a longer source is an error (SourceTooLong) or, with truncate, cut
     pieces: bool = False  # output the subword pieces, space-separated, instead of detokenised text
 
     @classmethod
@@ -95,6 +123,8 @@ class DecodeOptions:
         for name in ("beam", "max_tokens", "batch_size", "max_len_b"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.max_source_len < 0:
+            raise ValueError(f"max-source-len must be at least 1 (0: no limit), got {self.max_source_len}")
         if self.nbest > self.beam:
             raise ValueError(
                 f"--nbest {self.nbest} asks for more hypotheses than the beam keeps ({self.beam}); "
@@ -141,8 +171,10 @@ def decode_sentences(
     on_batch: Callable[[int], None] | None = None,
 ) -> list[Translation]:
     """Translations of ``sources`` in their order (see the module's docstring); ``on_batch`` is told
-    how many sentences each decoded batch held."""
-    ids = encode(tok, sources)
+    how many sentences each decoded batch held. A source longer than ``options.max_source_len`` raises
+    ``SourceTooLong`` before any sentence is decoded (with ``truncate``: is cut to it)."""
+    cap = options.max_source_len
+    ids, cut = encode_capped(tok, sources, cap)
     limit = model.max_source_length()  # positions the encoder can represent (EOS included), or None
     out = [Translation(None, len(seq)) for seq in ids]
     todo: list[int] = []
@@ -151,6 +183,10 @@ def decode_sentences(
         if not text.strip():
             out[i].text = ""  # an empty line translates to an empty line
             continue
+        if cap and len(seq) > cap:
+            if not options.truncate:
+                raise SourceTooLong(i, len(seq), cap, at_least=i in cut)
+            seq, out[i].truncated = seq[:cap], True
         if limit is not None and len(seq) + 1 > limit:
             if not options.truncate:
                 continue  # text None: reported by the caller

@@ -42,6 +42,7 @@ from tpe_train.evaluation.decoding import (
 )
 from tpe_train.model.ensemble import Ensemble
 from tpe_train.model.transformer import Transformer
+from tpe_train.run.outputs import record
 
 
 @dataclass
@@ -263,6 +264,9 @@ class EvalFiles:
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         tmp.write_text(json.dumps(figures if figures is not None else evaluation.figures(), indent=2))
         tmp.replace(path)
+        written = [path, *(f(r.name) for r in evaluation.sets for f in (self.hypotheses, self.references))]
+        # in an export (an output with a marker): a later export replacing it may remove these too
+        record(self.directory, [p.relative_to(self.directory).as_posix() for p in written], "tpe-eval")
         return path
 
     def read_figures(self) -> dict[str, Any] | None:

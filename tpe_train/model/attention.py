@@ -49,19 +49,20 @@ BACKENDS = ("auto", "flex", "sdpa", "explicit")
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
 
-def choose_backend(
-    requested: str, pos: PositionEncoding, device: torch.device, training: bool, dropout: float
-) -> str:
-    """The backend one attention call takes.
+def check_flex_dropout(backend: str, dropout: float) -> None:
+    """Refuse flex with attention dropout (``flex_attention`` takes none): where the config is loaded,
+    and where a model is built without one."""
+    if backend == "flex" and dropout > 0:
+        raise ValueError(
+            f"model.attention=flex has no dropout on the attention weights, but "
+            f"model.attention_dropout={dropout}; set model.attention_dropout=0 or choose model.attention=sdpa"
+        )
 
-    An encoding that needs the weights (``needs_weights``: Shaw's relative values) always takes
-    ``explicit``. Otherwise an explicit request is kept, and ``auto`` takes ``sdpa`` on every device:
-    on an H200 (bf16, the wmt14_en_de_big shape, docs/results/gpu/h200-2026-12-04-b) flex's training
-    step took 65-102 ms against sdpa's 39-60 ms for every encoding, ALiBi included (93 against 49 ms),
-    whose dense sdpa mask is now built once per stack in the compute dtype. On the CPU FlexAttention
-    cannot train, and for beam search its compiled kernel measured slower than SDPA.
-    ``training``: gradients are being recorded.
-    """
+
+def choose_backend(requested: str, pos: PositionEncoding) -> str:
+    """The backend one attention call takes: ``explicit`` for an encoding that needs the weights
+    (``needs_weights``: Shaw's relative values), else the one asked for, with ``auto`` taking ``sdpa``
+    on every device (it measured fastest on CPU and GPU: docs/attention.md)."""
     if pos.needs_weights:
         return "explicit"
     if requested != "auto":
@@ -280,6 +281,7 @@ class Attention(nn.Module):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"unknown attention backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        check_flex_dropout(backend, dropout)
         self.head_dim = d_model // n_heads
         self.q = Linear(d_model, d_model)
         self.k = Linear(d_model, d_model)
@@ -290,7 +292,7 @@ class Attention(nn.Module):
         # q, k, v (cross-attention: k, v) as one product (kernels.linears); off where each projection's
         # weight exists only while its own forward runs (ZeRO-3: Engine turns it off)
         self.fuse_projections = True
-        # diagnostics (model/diagnostics.py): when set, calls take the explicit backend and hand it
+        # diagnostics (model/position_stats.py): when set, calls take the explicit backend and hand it
         # their attention probabilities (B, H, Lq, Lk) with the query and key positions
         self.probe: Callable[[Tensor, Tensor, Tensor], None] | None = None
 
@@ -298,15 +300,10 @@ class Attention(nn.Module):
         b, length, _ = x.shape
         return x.view(b, length, -1, self.head_dim).transpose(1, 2)  # (B, H, L, hd)
 
-    def resolved(self, pos: PositionEncoding, device: torch.device) -> str:
-        """The backend of a call with encoding ``pos`` on ``device`` in the current grad mode."""
-        p = self.dropout if self.training else 0.0
-        return choose_backend(self.backend, pos, device, torch.is_grad_enabled(), p)
-
     def prepare(self, pos: PositionEncoding, mask: Mask, batch: int, q_len: int) -> None:
         """Build ``mask``'s flex BlockMask now when this layer's calls will use one: once per batch
         for all layers, and outside compiled layers (see ``Stack.forward``)."""
-        if mask.group == 1 and self.resolved(pos, mask.k_pos.device) == "flex":
+        if mask.group == 1 and choose_backend(self.backend, pos) == "flex":
             mask.block_mask(batch, q_len, mask.k_pos.shape[0])
 
     def forward(
@@ -355,13 +352,8 @@ class Attention(nn.Module):
             repeat = group
         causal = mask.causal and q.shape[2] > 1
         p = self.dropout if self.training else 0.0
-        backend = self.resolved(pos, q.device) if self.probe is None else "explicit"
+        backend = choose_backend(self.backend, pos) if self.probe is None else "explicit"
         if backend == "flex":
-            if p > 0:
-                raise RuntimeError(
-                    "model.attention=flex has no dropout on the attention weights; set "
-                    "model.attention_dropout=0 or choose model.attention=sdpa"
-                )
             block = mask.block_mask(q.shape[0], q.shape[2], k.shape[2], repeat)
             out = _flex(q, k, v, pos.score_mod(q, q_pos, k_pos), block)
         else:
@@ -414,19 +406,12 @@ class Attention(nn.Module):
 
 def _sdpa(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None, p: float, is_causal: bool = False) -> Tensor:
     """``F.scaled_dot_product_attention`` on a GPU; on the CPU the math backend or the same formula
-    written out, whichever measured faster for the call.
-
-    PyTorch's CPU flash kernel is about 3x slower than the math backend in bf16 at translation
-    lengths (forward + backward, (128, 4, 37, 64): 60 ms against 22 ms), which alone ate bf16's gain,
-    and slightly slower in fp32 too (24 against 21 ms). The math backend itself widens bf16 q, k and
-    v to fp32 and narrows the output back (four copies of each (B, H, L, hd) tensor per layer,
-    forward and backward); with a float mask (T5, ALiBi, or padding + causality) it is slower in
-    fp32 too. Those calls take ``_written_out`` (bf16 scores, softmax in fp32): forward + backward
-    of (128, 4, 37, 64) with a padding mask, one thread, 27 against 47 ms in bf16, and with a float
-    mask 30 against 44 ms in bf16 and 44 against 61 ms in fp32. fp32 with a boolean mask or none
-    keeps the math backend (42 against 45 ms). For the few queries of an incremental decoding step
-    (one token, or the beams of a sentence against its memory) the formula is used too (only without
-    gradients, so that a compiled training step never specialises on the length).
+    written out (``_written_out``: bf16 scores, softmax in fp32), whichever measured faster for the call
+    (docs/cpu-kernels.md#attention): bf16, and fp32 with a float mask (T5, ALiBi, or padding +
+    causality), take the formula; fp32 with a boolean mask or none keeps the math backend; PyTorch's
+    CPU flash kernel is never used. For the few queries of an incremental decoding step (one token,
+    or the beams of a sentence against its memory) the formula is used too (only without gradients,
+    so that a compiled training step never specialises on the length).
     """
     if q.device.type != "cpu" or _Route.gpu:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p, is_causal=is_causal)

@@ -1,31 +1,20 @@
 """Dropout whose mask costs a fraction of ``F.dropout``'s on the CPU.
 
 On the CPU ``F.dropout`` draws its mask with ``bernoulli_``: one generator call and one conversion
-per element. In the bf16 training step of the Multi30k model that was the largest single cost outside
-the GEMMs (113 ms of a 770 ms step, profiled on 2 threads). Here the mask is cut from full 64-bit draws
-of the same generator (``random_(-2**63, None)``): four 16-bit integers per draw, each kept when it is
-at least a threshold. The keep probability is then a multiple of 2^-16 (p = 0.1 drops 6554 / 65536 =
-0.100006 of the elements), and the kept ones are scaled by the inverse of that exact probability, so
-the layer's expectation is the identity as with ``F.dropout``.
+per element, the largest single cost outside the GEMMs of a bf16 step. Here the mask is cut from full
+64-bit draws of the same generator (``random_(-2**63, None)``): four 16-bit integers per draw, each
+kept when it is at least a threshold. The keep probability is then a multiple of 2^-16 (p = 0.1 drops
+6554 / 65536 = 0.100006 of the elements), and the kept ones are scaled by the inverse of that exact
+probability, so the layer's expectation is the identity as with ``F.dropout``.
 
-In reduced precision the mask is applied as a tensor of x's dtype (0 or 1), not as the bool mask:
-PyTorch multiplies a bf16 tensor by a bool one in a slow mixed-dtype loop (1.2 ms against 0.3 ms for
-bf16 x bf16 on a (128, 37, 256) activation, one thread), in the forward and again in the backward.
-The products are the same bits (x times 1 or 0), and a bf16 training step of the benchmark's shape
-took 2.5% less time (median of 12 interleaved steps, one thread, Intel Xeon with AMX).
-In fp32 the mask is written as 0 or the scale itself (the fp32 0/1 mask times the scale, in place):
-``x * mask`` is then one product in the forward and one in the backward instead of two each, with
-the same bits (the scale, a Python float, is rounded to fp32 as ``x * keep * scale`` rounds it, and
-1 times it is exact). Forward + backward of a (128, 37, 256) activation, 2 threads, Zen 4 EPYC:
-2.8-4.0 against 5.0-8.1 ms with the bool mask (medians of 31, two runs; 0.7-1.0 ms of each is the
-test's own copy and backward). The mask then takes 4 bytes an element instead of 1, as much as the
-activation it drops.
-The comparison writes that tensor itself (``torch.ge(..., out=)``): comparing into a bool tensor and
-converting it took 1.0 ms against 0.17 ms on a (128, 37, 256) activation (2 threads, Intel Xeon with
-AMX, the other core busy), the same values.
+In reduced precision the mask is a tensor of x's dtype (0 or 1), not a bool mask (PyTorch multiplies
+bf16 by bool in a slow mixed-dtype loop); the products are the same bits. In fp32 the mask holds 0 or
+the scale itself, so ``x * mask`` is one product in the forward and one in the backward, with the same
+bits; the mask then takes 4 bytes an element. The comparison writes that tensor itself
+(``torch.ge(..., out=)``). The timings: docs/cpu-kernels.md#dropout.
 
 The generator is torch's default CPU generator, filled serially: a seed gives the same masks at any
-thread count, and its state travels with the checkpoints as before. GPUs (a fused kernel already),
+thread count, and its state travels with the checkpoints. GPUs (a fused kernel already),
 ``torch.compile`` (which fuses ``F.dropout`` with its neighbours) and a p that rounds to 0 or 1 take
 ``F.dropout``.
 """

@@ -103,8 +103,7 @@ def beam_search_nbest(
         # A sentence's best 2K continuations are among the best 2K of each of its beams: select per
         # row first, then among the K * 2K survivors (cheaper than adding scores to all K * V). The
         # log-probabilities come from log_softmax's fused kernel, written whole: on the CPU it is
-        # faster than logsumexp alone (log-softmax + top-k of (256, 8,000) fp32 rows, 2 threads:
-        # 3.1-3.3 against 3.9-4.2 ms for logsumexp + top-k of the logits + subtracting the norm).
+        # faster than logsumexp alone (docs/cpu-kernels.md#beam-search).
         lprobs = model.log_probs(tokens[:, -1:], memory, cache)  # (B*K, V) fp32, written below
         eos_lprob = lprobs[:, args.eos_id].clone()
         lprobs[:, args.pad_id] = float("-inf")

@@ -10,7 +10,7 @@ below ``ZERO`` times the global scale) are checked against the global gradient s
 root mean square of all reference gradients, per element.
 
 ``tests/test_gradcheck.py`` shows that the check passes correct code and catches planted bugs (a wrong
-sign, an off-by-one relative distance); ``benchmarks/gpu_attention.py`` runs it on a GPU.
+sign, an off-by-one relative distance); ``benchmarks/gpu/attention.py`` runs it on a GPU.
 """
 
 from __future__ import annotations

@@ -257,9 +257,8 @@ def weight_grad(g: Tensor, x: Tensor, onednn: bool) -> Tensor:
     the smaller of the two as its source (the operand whose rows become the output's rows; likely
     because it reorders a transposed source into its own layout first). So where the layer widens
     (N > K: the output layer, q/k/v, the FFN's first layer) the product is computed as (x^T g)^T and
-    copied into the weight's (N, K) layout. On a Zen 4 EPYC (2 threads, 4,736 tokens, fp32) this took
-    the output layer's weight gradient from 73-79 to 175 GFLOP/s with the copy (193 without) and the
-    (1,024, 256) one from 72-107 to 95-152; where N <= K the source already is the smaller operand."""
+    copied into the weight's (N, K) layout (docs/cpu-kernels.md#the-weight-gradient); where N <= K the
+    source already is the smaller operand."""
     if onednn and g.shape[1] > x.shape[1]:
         return _mm_t(x.t(), g.t(), True).t().contiguous()
     return _mm_t(g.t(), x.t(), onednn)

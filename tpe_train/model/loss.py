@@ -1,57 +1,28 @@
 """Label-smoothed cross-entropy with a hand-written backward.
 
 loss_i = (1 - eps) * nll_i + eps * mean_v(-log p_iv), summed over non-pad tokens: the same value as
-``F.cross_entropy(label_smoothing=eps, reduction="sum")``. Autograd through log_softmax, gather and
-mean writes and reads several (N, V) tensors; the gradient has a closed form, softmax(x) - eps / V - (1 -
-eps) * onehot(target), computed here in place in one (N, V) buffer. On a vocabulary of 8,000 this
-saves about a tenth of a training step on the CPU.
+``F.cross_entropy(label_smoothing=eps, reduction="sum")``. The gradient has a closed form, softmax(x) -
+eps / V - (1 - eps) * onehot(target), computed in place in one (N, V) buffer instead of autograd's
+several (N, V) tensors through log_softmax, gather and mean.
 
-Logits in lower precision (bf16 autocast) are not widened to one fp32 (N, V) copy: rows are taken
-in chunks small enough to stay in cache, widened, and the loss and the gradient (already in the
-logits' dtype) computed there in the forward pass; the backward at most scales it. On 4,736 x 8,000
-bf16 logits this took 240 ms for forward + backward against 410 ms for the widened path (one thread);
-fp32 logits keep the one-buffer path, which was as fast. The chunks are a CPU measure: on a GPU each
-chunk is a dozen small kernel launches, and a training step of the benchmark's shape in bf16 took 4x
-as long as in fp32 on an H200. GPU logits of any dtype take the one-buffer path.
+- bf16 logits on the CPU are taken in chunks of rows small enough to stay in cache, widened there, and
+  the loss and the gradient (in the logits' dtype) computed in the forward pass; the backward at most
+  scales it. fp32 logits, and GPU logits of any dtype, take the one-buffer path.
+- The chunks' gradient is already scaled by ``grad_scale``, the factor the caller multiplies the loss
+  by before its backward (the trainer's 1 / target tokens, divided by ``train.accumulate`` as every
+  engine divides it): the backward hands it on as it is when the incoming gradient is that factor.
+  Any other incoming gradient (no hint, a loss scaler) is applied by one more pass: the hint changes
+  the speed, never the gradient beyond rounding.
+- The one-buffer path takes log-probabilities from ``log_softmax``'s fused kernel and, on the CPU, the
+  softmax as ``exp2(log p * log2(e))``: an error of at most |log p| * 6e-8 relative in p, below 3e-8
+  absolute.
+- A chunk computes one exponential per logit: e = exp(x - max) gives the row's log-sum-exp (max + log
+  sum e), nll = lse - x_target, the smoothing term lse - mean(x) and the gradient e / sum e - eps / V
+  - (1 - eps) onehot, e scaled in place. Everything per row (log-sum-exp, weights, sums, the target
+  logits) is an (N,) vector outside the loop.
 
-The chunks' gradient is already scaled by ``grad_scale``, the factor the caller multiplies the loss
-by before its backward (the trainer's 1 / target tokens, divided by ``train.accumulate`` as every
-engine divides it): the backward then hands it on as it is when the incoming gradient is that
-factor, instead of one more pass over the (N, V) bf16 gradient (33 of 940 ms of a bf16 step, one
-thread, Intel Xeon with AMX; 6% of the step measured A/B). Any other incoming gradient (no hint, a
-loss scaler) is applied by that pass, as before: the hint changes the speed, never the gradient
-beyond rounding.
-
-The one-buffer path takes log-probabilities from ``log_softmax``'s fused kernel and the softmax from
-them as ``exp2(log p * log2(e))`` on the CPU: PyTorch's CPU ``exp`` was 2.5-4x slower than ``mul`` +
-``exp2`` on a 32 x 8,000 fp32 chunk (158 against 59 us, one thread, AVX-512 AMD EPYC; on the Intel Xeon
-with AMX ``exp`` was the faster, 38 against 68 us on 2 threads, but a whole bf16 step measured no
-difference). The product rounds the exponent relatively by 2^-24, an error of at most |log p| * 6e-8
-relative in p: below 3e-8 absolute.
-
-The chunks compute one exponential per logit, not two: e = exp(x - max) gives the row's
-log-sum-exp (max + log sum e), from which nll = lse - x_target and the smoothing term lse - mean(x),
-and the gradient e / sum e - eps / V - (1 - eps) onehot is e scaled in place. ``log_softmax`` followed
-by the softmax of its output (the chunks' first form) exponentiated every logit twice and wrote one
-more chunk: a bf16 step of the benchmark's shape took 450 against 472 ms (2 threads, Intel Xeon with
-AMX, median of 16 interleaved steps), the losses of 14 steps within 2e-5 relative of the old form's.
-Measured on that machine only: on the AMD EPYC, where ``logsumexp`` (max, subtract, exp, sum and log
-as separate ops) was 4x slower than ``log_softmax``, this form has not been timed.
-
-A chunk does only what needs its (rows, V) block: max, mean, exp in the widened copy's own buffer,
-sum, the gradient's scaling and target term, and the last pass writes the gradient in the logits'
-dtype (``torch.sub(..., out=)``, no separate copy). Everything per row (log-sum-exp, the weights, the
-loss and nll sums, the target logits gathered once) is a (N,) vector outside the loop: 148 chunks of
-the benchmark's 4,736 rows made about 1,400 scalar casts and 20 small ops each before. Forward +
-backward of 4,736 x 8,000 random bf16 logits took 33 against 41 ms (2 threads, Intel Xeon with
-AMX; the values are checked against fp64 by the tests, not against the old form). In whole bf16
-steps the gain is at the machine's noise: 0.6-2.5% in four of five interleaved A/B runs (14-24 steps
-each), 1.7% the other way in one.
-Also measured there and not kept: the same math compiled by ``torch.compile`` (Inductor: one fused
-kernel for the whole tensor, dynamic shapes) took 34 ms, no faster than these eager chunks, for 2-12
-s of compilation in every process; 64-row chunks and ``exp`` in place of ``exp2`` each gained 2-4 ms
-there, but 64 rows (2 MB in fp32) outgrow a core's L2 on many CPUs and ``exp`` was the slower on the
-AMD EPYC (see above); neither was timed on the EPYC.
+Each of these measured faster on the CPU; the figures, and what was tried and not kept:
+docs/cpu-kernels.md#the-loss.
 """
 
 from __future__ import annotations

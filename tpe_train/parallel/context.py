@@ -133,9 +133,9 @@ class ParallelContext:
         if deepspeed:
             import deepspeed as ds  # heavy import, only when DeepSpeed runs
 
-            from tpe_train.parallel.ops import load_shm_comm_op
+            from tpe_train.parallel.deepspeed_jit_lock import load_shm_comm_op
 
-            load_shm_comm_op()  # before DeepSpeed builds it unguarded (see ops.py)
+            load_shm_comm_op()  # before DeepSpeed builds it unguarded (see deepspeed_jit_lock.py)
             ds.init_distributed(dist_backend=_backend(), verbose=False)
         elif not dist.is_initialized():
             dist.init_process_group(backend=_backend())

@@ -37,7 +37,7 @@ OWNED = {
 
 
 @dataclass(frozen=True)
-class Layout:
+class ProcessLayout:
     """How this run is laid out over processes, as the launcher asked."""
 
     world_size: int
@@ -80,12 +80,12 @@ def launch_template() -> tuple[dict[str, Any] | None, str]:
     return {"zero_optimization": zero}, "the accelerate launch file's deepspeed_config"
 
 
-def resolve_layout(cfg: Config, world_size: int | None = None) -> Layout:
+def resolve_layout(cfg: Config, world_size: int | None = None) -> ProcessLayout:
     """The layout of this run, checked against the model before any work: a combination that
     cannot work is a ``ConfigError`` naming the keys and the fix."""
     template, source = launch_template()
     world = world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", "1"))
-    file_tp = _file_tp_size(template)
+    file_tp = autotp_size(template)
     tp = cfg.parallel.tp_size or file_tp or 1
     if cfg.parallel.tp_size and file_tp and cfg.parallel.tp_size != file_tp:
         raise ConfigError(
@@ -94,14 +94,15 @@ def resolve_layout(cfg: Config, world_size: int | None = None) -> Layout:
         )
     if template is not None:
         _check_owned(template, source)
-    layout = Layout(world, tp, template, source)
+    layout = ProcessLayout(world, tp, template, source)
     _check(cfg, layout)
     _check_compute(cfg, layout)
     return layout
 
 
-def _file_tp_size(template: dict[str, Any] | None) -> int | None:
-    size = (template or {}).get("tensor_parallel", {}).get("autotp_size")
+def autotp_size(template: dict[str, Any] | None) -> int | None:
+    """The tensor-parallel size a DeepSpeed file asks for (``tensor_parallel.autotp_size``); None: unset."""
+    size = ((template or {}).get("tensor_parallel") or {}).get("autotp_size")
     return int(size) if isinstance(size, int) and size > 0 else None
 
 
@@ -122,7 +123,7 @@ def _all_auto(node: dict[str, Any]) -> bool:
     return all(v == "auto" for v in node.values())
 
 
-def _check(cfg: Config, layout: Layout) -> None:
+def _check(cfg: Config, layout: ProcessLayout) -> None:
     m, tp = cfg.model, layout.tp_size
     problems = []
     if layout.world_size % tp:
@@ -161,7 +162,7 @@ def _check(cfg: Config, layout: Layout) -> None:
         raise ConfigError("impossible parallel layout: " + "; ".join(problems))
 
 
-def _check_compute(cfg: Config, layout: Layout) -> None:
+def _check_compute(cfg: Config, layout: ProcessLayout) -> None:
     """The attention backend and the compiled step against where the run lands."""
     if cfg.model.attention == "flex" and not _has_gpu():
         raise ConfigError(
@@ -183,7 +184,7 @@ def _has_gpu() -> bool:
     return torch.cuda.is_available()
 
 
-def deepspeed_config(cfg: Config, layout: Layout) -> dict[str, Any]:
+def deepspeed_config(cfg: Config, layout: ProcessLayout) -> dict[str, Any]:
     """The full DeepSpeed config: the launch file's layout plus what our config owns."""
     assert layout.deepspeed is not None
     ds = json.loads(json.dumps(layout.deepspeed))  # a deep copy; "auto" values are replaced below

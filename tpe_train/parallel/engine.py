@@ -72,9 +72,8 @@ class Engine:
         from accelerate import Accelerator
         from accelerate.utils import DeepSpeedPlugin
 
-        plugin = DeepSpeedPlugin(hf_ds_config=deepspeed) if deepspeed is not None else None
         self.accelerator = Accelerator(
-            deepspeed_plugin=plugin,
+            deepspeed_plugin=DeepSpeedPlugin(hf_ds_config=deepspeed),
             gradient_accumulation_steps=accumulate,
             mixed_precision="no",  # bf16: autocast in the loop, or DeepSpeed's own bf16 weights
             step_scheduler_with_optimizer=False,
@@ -83,9 +82,8 @@ class Engine:
         if self.zero3:
             _register_external(self.module)
             _separate_projections(self.module)
-        if deepspeed is not None:
-            share_fp32_master(self.optimizer)
-            _record_stage0_norm(self.model)
+        share_fp32_master(self.optimizer)
+        _record_stage0_norm(self.model)
 
     @property
     def module(self) -> nn.Module:
@@ -132,10 +130,7 @@ class Engine:
         max_norm = self.clip_norm or float("inf")
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)  # on the device; an overflow leaves inf or nan in a gradient
-        if self.accelerator is None:
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)
-        else:
-            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), max_norm)
+        norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm)  # DDP or one process
         if self.scaler is not None:
             # The fused optimizer takes the overflow flag as a tensor and skips the update on the
             # device: no read back (torch's GradScaler reads it back for other optimizers). The

@@ -15,9 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tpe_train.parallel.deepspeed import Layout
-from tpe_train.parallel.engine import torch_optimizer
-from tpe_train.parallel.plan import _local_numel, position_bytes
+from tpe_train.parallel.deepspeed import ProcessLayout
+from tpe_train.parallel.plan import local_numel, position_bytes
 
 ADAM_MOMENTS = 2
 
@@ -48,12 +47,12 @@ def _mb(n: int) -> str:
     return f"{n / 2**20:.2f} MiB"
 
 
-def memory_report(model: nn.Module, optimizer: Any, rank: int, layout: Layout | None) -> MemoryReport:
+def memory_report(model: nn.Module, optimizer: Any, rank: int, layout: ProcessLayout | None) -> MemoryReport:
     """What rank ``rank`` holds once ``accelerate.prepare`` has laid the model out (``layout``: the
     launch's layout; None for one plain process)."""
     zero_stage = layout.zero_stage if layout is not None else None
     params = list(model.parameters())
-    param_bytes = sum(_local_numel(p) * p.element_size() for p in params)
+    param_bytes = sum(local_numel(p) * p.element_size() for p in params)
     updated = _updated_tensors(optimizer)
     weights = {_storage(p) for p in params}
     updated_bytes = sum(p.numel() * 4 for p in updated)  # Adam keeps fp32 state
@@ -62,7 +61,7 @@ def memory_report(model: nn.Module, optimizer: Any, rank: int, layout: Layout | 
     if (zero_stage or 0) >= 2:
         grad_bytes = updated_bytes
     else:
-        grad_bytes = sum(_local_numel(p) * p.element_size() for p in params if p.requires_grad)
+        grad_bytes = sum(local_numel(p) * p.element_size() for p in params if p.requires_grad)
     return MemoryReport(
         rank=rank,
         parameters=param_bytes,
@@ -98,14 +97,3 @@ def _updated_tensors(optimizer: Any) -> list[torch.Tensor]:
             return [p for group in node.param_groups for p in group["params"]]
         node, depth = getattr(node, "optimizer", None), depth + 1
     raise AssertionError("no optimizer found under the wrappers")
-
-
-def optimizer_state_bytes(optimizer: Any) -> int:
-    """Bytes of the state tensors the torch optimizer actually holds (after a step), for checking."""
-    basic = torch_optimizer(optimizer)
-    return sum(
-        t.numel() * t.element_size()
-        for state in basic.state.values()
-        for t in state.values()
-        if isinstance(t, torch.Tensor) and t.dim() > 0
-    )

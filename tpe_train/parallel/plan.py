@@ -25,11 +25,12 @@ import re
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tpe_train.parallel.collectives import ReduceFromGroup, sum_over
 from tpe_train.parallel.context import ParallelContext
+from tpe_train.parallel.vocab import scale_lookup_gradient
 from tpe_train.positions import PositionEncoding
 
 COLUMN = r".*\.(q|k|v|fc_in)\.weight$"
@@ -49,21 +50,6 @@ PARTITION: dict[str, Any] = {
 AUTOTP_DIMS = [(re.compile(r".*\.(q|k|v|fc_in)\.(weight|bias)$"), 0), (re.compile(ROW), 1)]
 
 
-class _ReduceFromGroup(torch.autograd.Function):
-    """Forward: sum over the group. Backward: identity (every rank already holds the full gradient
-    of the replicated output, and each rank's input only fed its own share)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, group: Any) -> Tensor:
-        x = x.clone()
-        dist.all_reduce(x, group=group)
-        return x
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return grad, None
-
-
 class PositionParallelEmbedding(nn.Module):
     """Rows ``[start, start + rows)`` of an absolute position table; a lookup of any position returns
     the full embedding on every rank (masked local lookup + all-reduce)."""
@@ -80,7 +66,7 @@ class PositionParallelEmbedding(nn.Module):
         local = pos - self.start
         here = (local >= 0) & (local < self.rows)  # (L,)
         out = F.embedding(local.clamp(0, self.rows - 1), self.weight) * here[:, None].to(self.weight.dtype)
-        return _ReduceFromGroup.apply(out, self.group)
+        return ReduceFromGroup.apply(out, self.group)
 
     def extra_repr(self) -> str:
         return f"rows {self.start}..{self.start + self.rows - 1}"
@@ -92,17 +78,6 @@ def mark_split(param: Tensor, dim: int) -> None:
     param.tp_dim = dim  # type: ignore[attr-defined]
 
 
-def sum_over(group: Any) -> Any:
-    """A gradient hook: the gradient summed over ``group``."""
-
-    def hook(grad: Tensor) -> Tensor:
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=group)
-        return grad
-
-    return hook
-
-
 def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> None:
     """Apply the position and vocabulary parts of the plan in place (before the optimizer is built):
     the position tables as their encodings declare, and the tied embedding's gradient for the
@@ -110,8 +85,6 @@ def apply_tensor_parallel(model: nn.Module, ctx: ParallelContext) -> None:
     under tensor parallelism)."""
     if ctx.tp_size == 1:
         return
-    from tpe_train.parallel.vocab import scale_lookup_gradient
-
     scale_lookup_gradient(getattr(model, "embed"), ctx)  # noqa: B009 - the model's tied embedding
     shard_positions(model, ctx)
 
@@ -152,11 +125,11 @@ def position_bytes(model: nn.Module) -> int:
     for module in model.modules():
         if isinstance(module, PositionEncoding):
             for t in [*module.parameters(), *module.buffers()]:
-                total += _local_numel(t) * t.element_size()
+                total += local_numel(t) * t.element_size()
     return total
 
 
-def _local_numel(t: Tensor) -> int:
+def local_numel(t: Tensor) -> int:
     """Elements this rank holds (a ZeRO-3 parameter keeps only its partition in ``ds_tensor``)."""
     ds_tensor = getattr(t, "ds_tensor", None)
     return int(ds_tensor.numel()) if ds_tensor is not None else t.numel()

@@ -20,7 +20,6 @@ Validation, decoding and exports compute all V logits from the whole embedding a
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -28,21 +27,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from tpe_train.parallel.collectives import OnGradient, sum_over
 from tpe_train.parallel.context import ParallelContext
-from tpe_train.parallel.plan import sum_over
-
-
-class _OnGradient(torch.autograd.Function):
-    """Forward: identity. Backward: ``change(grad)`` (a sum over the group, a scaling)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: Tensor, change: Callable[[Tensor], Tensor]) -> Tensor:
-        ctx.change = change
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, grad: Tensor) -> tuple[Tensor, None]:
-        return ctx.change(grad), None
 
 
 class _VocabParallelCE(torch.autograd.Function):
@@ -108,7 +94,7 @@ class VocabParallelScore:
         rows = -(-vocab // self.size)  # the last rank's block may be shorter
         start = min(self.rank * rows, vocab)
         block = weight[start : start + rows]
-        logits = F.linear(_OnGradient.apply(h, sum_over(self.group)), block)  # h's gradient: all blocks'
+        logits = F.linear(OnGradient.apply(h, sum_over(self.group)), block)  # h's gradient: all blocks'
         loss, nll = _VocabParallelCE.apply(logits, target, start, vocab, epsilon, pad_id, self.group)
         return loss, nll
 
@@ -121,7 +107,7 @@ def scale_lookup_gradient(embedding: nn.Module, ctx: ParallelContext) -> None:
     factor = 1.0 / ctx.tp_size
 
     def scaled(module: nn.Module, inputs: Any, out: Tensor) -> Tensor:
-        return _OnGradient.apply(out, lambda grad: grad * factor)
+        return OnGradient.apply(out, lambda grad: grad * factor)
 
     embedding.register_forward_hook(scaled)
     weight.register_hook(sum_over(ctx.tp_group))

@@ -64,11 +64,8 @@ class ShawPosition(PositionEncoding):
         Written for Inductor with dynamic shapes: the logits are captured as one flat buffer, the
         start of each (b, h, q) row comes from a captured (B, H, Lq) tensor, and the clip is a 0-d
         tensor, so the kernel indexes no multi-dimensional buffer with symbolic sizes and closes over
-        no Python int. The direct form (``scores[b, h, q_idx, clamp(d, -k, k) + k]``) failed to
-        lower on the H200 with torch 2.11 (``'ShapeAsConstantBuffer' object has no attribute
-        'dtype'``) and on the CPU with torch 2.13 (``'Mul' object has no attribute 'get_name'``); an
-        index table ``scores[b, h, q_idx, idx[q_idx, kv_idx]]`` compiled on the CPU but gave wrong
-        outputs at a second length. tests/test_gpu_path.py compiles this one on the CPU."""
+        no Python int: the direct forms failed to compile or gave wrong outputs at a second length
+        (docs/attention.md, "Shaw through flex"). tests/test_gpu_path.py compiles this one on the CPU."""
         scores = self.relative_logits(q)  # (B, H, Lq, 2k+1)
         width = scores.shape[-1]
         rows = scores.shape[:-1]

@@ -12,6 +12,16 @@ from torch import Tensor
 from tpe_train.positions.base import POSITIONS, PositionArgs, PositionEncoding
 
 
+def check_head_dim(head_dim: int) -> None:
+    """Refuse an odd head dimension (RoPE rotates pairs of features): where the config is loaded, and
+    where the encoding is built without one."""
+    if head_dim % 2:
+        raise ValueError(
+            f"rope needs an even head dimension, but d_model/n_heads = {head_dim}; "
+            "change model.d_model or model.n_heads"
+        )
+
+
 @POSITIONS.register("rope")
 class RotaryPosition(PositionEncoding):
     """RoPE in the half-split layout (GPT-NeoX): pairs (x_i, x_{i + hd/2}) rotate together by the angle
@@ -35,8 +45,7 @@ class RotaryPosition(PositionEncoding):
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__(args)
-        if args.head_dim % 2:
-            raise ValueError(f"rope needs an even head dimension, got d_model/n_heads = {args.head_dim}")
+        check_head_dim(args.head_dim)
         self.scaling, self.factor, self.original = "none", 1.0, 0
 
     def adapt(self, **settings: str) -> None:

@@ -63,7 +63,10 @@ def _owner_text(path: Path) -> str:
     info: dict[str, object] = {}
     for _ in range(20):  # the owner writes its record right after locking: give it a moment
         try:
-            info = json.loads(path.read_text() or "{}")
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            with os.fdopen(fd, "rb") as f:
+                found = json.loads(f.read(1 << 16) or b"{}")
+            info = found if isinstance(found, dict) else {}
         except (OSError, ValueError):
             info = {}
         if info:
@@ -97,7 +100,16 @@ class RunLock:
         warning = scope_warning(self.directory)
         if warning:
             self.warnings.append(warning)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:  # never through a symlink: the record would be written wherever it points
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+        except OSError as err:
+            if err.errno != errno.ELOOP:
+                raise
+            raise RunDirBusy(
+                f"{self.path} is a symlink; {self.prog} writes its lock record into this file and does not "
+                "follow a link (it could point at any file). Remove the link and run the same command again, "
+                f"or {self.fix}."
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

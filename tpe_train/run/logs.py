@@ -5,6 +5,8 @@ decides who prints: ``configure`` does, once per process. Rank 0 shows progress 
 warnings and errors on stderr, each line as ``<prog>: message`` / ``<prog>: warning: message`` as the
 commands have always printed; every other rank shows warnings and errors only, marked with its rank
 (``tpe-train [rank 3]: warning: ...``). ``--quiet`` keeps warnings and errors, ``--verbose`` adds DEBUG.
+A command whose stdout is its product (``tpe-translate``'s translations, ``tpe-launch``'s dry-run
+command) sends its progress to stderr too (``info_stream="stderr"``); results stay ``print``-ed.
 ``add_file`` also writes every record (DEBUG included, with time and rank) to a file in the run directory.
 
 Standard library only: the launcher, which runs without torch, uses it too.
@@ -17,20 +19,26 @@ import os
 import sys
 from pathlib import Path
 
-#: The loggers this module configures: the package's and the launcher's.
-ROOTS = ("tpe_train", "launcher", "benchmarks")
+#: The loggers this module configures: the package's, the launcher's, the benchmarks', and that of a
+#: module run as ``python -m`` (its ``__name__`` is ``__main__``: ``python -m tpe_train.study.cli``).
+ROOTS = ("tpe_train", "launcher", "benchmarks", "__main__")
 
 QUIET, NORMAL, VERBOSE = -1, 0, 1
 
 
 class _ConsoleHandler(logging.Handler):
-    """INFO and below to stdout, WARNING and above to stderr; the streams are looked up at each record
-    (pytest's capture and ``contextlib.redirect_stdout`` replace ``sys.stdout`` after start-up), and
-    written through tqdm so that a progress bar on the terminal is not torn."""
+    """INFO and below to stdout (or stderr: ``info_stream``), WARNING and above to stderr; the streams are
+    looked up at each record (pytest's capture and ``contextlib.redirect_stdout`` replace ``sys.stdout``
+    after start-up), and written through tqdm so that a progress bar on the terminal is not torn."""
+
+    def __init__(self, level: int, info_stream: str) -> None:
+        super().__init__(level=level)
+        self.info_to_stderr = info_stream == "stderr"
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            stream = sys.stderr if record.levelno >= logging.WARNING else sys.stdout
+            to_stderr = self.info_to_stderr or record.levelno >= logging.WARNING
+            stream = sys.stderr if to_stderr else sys.stdout
             message = self.format(record)
             from tqdm import (
                 tqdm,
@@ -67,14 +75,19 @@ def env_rank() -> int:
     return 0
 
 
-def configure(prog: str, *, rank: int | None = None, verbosity: int = NORMAL) -> None:
+def configure(
+    prog: str, *, rank: int | None = None, verbosity: int = NORMAL, info_stream: str = "stdout"
+) -> None:
     """Set up the console for this process: called once by each command's ``main``, again only to change
-    ``prog``, ``rank`` or ``verbosity`` (handlers are replaced, never added twice)."""
+    ``prog``, ``rank``, ``verbosity`` or ``info_stream`` (handlers are replaced, never added twice).
+    ``info_stream``: ``"stderr"`` for a command whose stdout carries its product."""
+    if info_stream not in ("stdout", "stderr"):
+        raise ValueError(f"info_stream must be 'stdout' or 'stderr', not {info_stream!r}")
     rank = env_rank() if rank is None else rank
     level = {QUIET: logging.WARNING, NORMAL: logging.INFO, VERBOSE: logging.DEBUG}[
         max(QUIET, min(verbosity, VERBOSE))
     ]
-    console = _ConsoleHandler(level=level if rank == 0 else max(level, logging.WARNING))
+    console = _ConsoleHandler(level if rank == 0 else max(level, logging.WARNING), info_stream)
     console.setFormatter(_ConsoleFormat(prog, rank))
     console.set_name("tpe-console")
     for name in ROOTS:

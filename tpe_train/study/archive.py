@@ -19,6 +19,7 @@ copy) and the manifests merged; archives of different presets or overrides are r
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import sys
@@ -29,8 +30,12 @@ from safetensors.torch import save_file
 
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.evaluation.evaluate import EvalFiles
+from tpe_train.run.atomic import temp_name
 from tpe_train.study.grid import MANIFEST, RUN_LOG, Study, StudyError
+from tpe_train.study.report import REPORT, check_report_dir, report_directory
 from tpe_train.study.results import POSITION_TABLES, Run, gather
+
+COMMAND = "tpe-study archive"
 
 TEXT = (".json", ".yaml", ".log")  # rewritten with portable paths; the rest (hypotheses, events) copied
 
@@ -51,13 +56,18 @@ def portable(text: str, cwd: Path | None = None) -> str:
 
 
 def _copy(src: Path, dst: Path) -> None:
+    """Copy one file, replacing ``dst`` whole (a temporary sibling renamed): never half a file."""
     dst.parent.mkdir(parents=True, exist_ok=True)
-    if src.suffix in TEXT:
-        tmp = dst.with_name(dst.name + ".tmp")
-        tmp.write_text(portable(src.read_text()))
-        tmp.replace(dst)
-    else:
-        shutil.copyfile(src, dst)
+    tmp = temp_name(dst)
+    try:
+        if src.suffix in TEXT:
+            tmp.write_text(portable(src.read_text()))
+        else:
+            shutil.copyfile(src, tmp)
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def run_files(runs: list[Run]) -> list[Path]:
@@ -77,12 +87,7 @@ def archive(source: Path, dest: Path, report: bool = False) -> tuple[Study, int]
     """Copy ``source``'s finished runs (and with ``report`` its report directory) into ``dest``;
     (the archive's study, runs copied)."""
     study = Study.load(source)
-    if dest.resolve() == source.resolve():
-        raise StudyError(f"archive {source} into another directory, not into itself")
-    if dest.exists() and not (dest / MANIFEST).is_file() and any(dest.iterdir()):
-        raise StudyError(
-            f"{dest} exists and is not a study archive ({MANIFEST} missing); pass an empty or new directory"
-        )
+    check_dest(source, dest, report)
     target = replace(
         study,
         root=dest,
@@ -102,8 +107,27 @@ def archive(source: Path, dest: Path, report: bool = False) -> tuple[Study, int]
         if tables:
             save_file(tables, str(dest / run.run_dir.relative_to(study.root) / POSITION_TABLES))
     if report:  # replaced whole: an older report's TensorBoard file would show beside the new one
-        shutil.rmtree(target.report_dir, ignore_errors=True)
-        for path in sorted(p for p in study.report_dir.glob("**/*") if p.is_file()):
-            _copy(path, target.report_dir / path.relative_to(study.report_dir))
+        with report_directory(target.report_dir, COMMAND, REPORT) as tmp:
+            for path in sorted(p for p in study.report_dir.glob("**/*") if p.is_file()):
+                _copy(path, tmp / path.relative_to(study.report_dir))
     target.save()
     return target, len(done)
+
+
+def check_dest(source: Path, dest: Path, report: bool) -> None:
+    """Refuse, before any work, a ``dest`` that is not new, empty or a study directory (an archive, or
+    a study to restore into), that overlaps ``source``, or whose report folder holds anything but a
+    report."""
+    src, dst = Path(source).resolve(), Path(dest).resolve()
+    if dst == src:
+        raise StudyError(f"archive {source} into another directory, not into itself")
+    if src in dst.parents or dst in src.parents:
+        where = "lies inside" if src in dst.parents else "holds"
+        raise StudyError(f"{dest} {where} the study {source}; archive it into a folder beside it")
+    if dest.exists() and not (dest / MANIFEST).is_file() and any(dest.iterdir()):
+        raise StudyError(
+            f"{dest} exists and is not a study archive ({MANIFEST} missing); nothing was written or removed. "
+            "Pass an empty or new directory"
+        )
+    if report:
+        check_report_dir(Path(dest) / "report", COMMAND, REPORT)

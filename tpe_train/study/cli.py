@@ -19,13 +19,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import shlex
 import sys
 from pathlib import Path
 from typing import NoReturn
 
+from tpe_train.run import logs
 from tpe_train.run.lock import RunDirBusy, RunLock
 from tpe_train.study.grid import ENCODINGS, Study, StudyError, parse_seeds, parse_setting
+
+log = logging.getLogger(__name__)
 
 
 class Parser(argparse.ArgumentParser):
@@ -122,12 +126,13 @@ def archive_parser() -> argparse.ArgumentParser:
 
 
 def cmd_archive(argv: list[str]) -> int:
-    from tpe_train.study.archive import archive
+    from tpe_train.study.archive import archive, check_dest
     from tpe_train.study.report import write_report
     from tpe_train.study.results import kept_references
 
     args = archive_parser().parse_args(argv)
     source = Study.load(Path(args.study_dir))
+    check_dest(source.root, Path(args.dest), not args.no_report)  # before the report is written
     if not args.no_report:
         if kept_references(source) or not (source.report_dir / "report.md").is_file():
             print(f"report: {write_report(source)}")  # from the study, whose runs kept the references
@@ -174,6 +179,10 @@ def cmd_run(argv: list[str]) -> int:
     if args.dry_run:
         run_local(study, dry_run=True, jobs=args.jobs)
         return 0
+    if not args.no_report:  # a report folder it may not replace: said now, not after the runs
+        from tpe_train.study.report import REPORT, check_report_dir
+
+        check_report_dir(study.report_dir, "tpe-study report", REPORT)
     with _own(out):
         study.save()
         failed = run_local(study, echo=args.verbose, jobs=args.jobs)
@@ -183,7 +192,7 @@ def cmd_run(argv: list[str]) -> int:
             print(f"report: {write_report(study, args.heatmap_positions)}")
             print(f"images: tensorboard --logdir {study.report_dir / 'tb'}; runs: tensorboard --logdir {out}")
     if failed:
-        print(f"tpe-study: {len(failed)} runs failed: {', '.join(failed)}", file=sys.stderr)
+        log.error("%d runs failed: %s", len(failed), ", ".join(failed))
         return 1
     return 0
 
@@ -281,7 +290,7 @@ def cmd_extrapolate(argv: list[str]) -> int:
     from tpe_train.evaluation.decoding import device_from_arg
     from tpe_train.study import extrapolate as ex
     from tpe_train.study.position_methods import methods_of, parse_list
-    from tpe_train.study.report import write_extrapolation_report
+    from tpe_train.study.report import EXTRAPOLATION_REPORT, check_report_dir, write_extrapolation_report
     from tpe_train.study.results import config_cap
 
     args = extrapolate_parser().parse_args(argv)
@@ -318,6 +327,7 @@ def cmd_extrapolate(argv: list[str]) -> int:
     if args.dry_run:
         ex.run_plan(plan, device, dry_run=True)
         return 0
+    check_report_dir(out / "report", "tpe-study extrapolate", EXTRAPOLATION_REPORT)  # before decoding
     with RunLock(out, fix="pass another --out", prog="tpe-study extrapolate"):
         decoded, kept = ex.run_plan(plan, device)
         rows = ex.score(plan)
@@ -340,21 +350,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if argv else 2
     command = COMMANDS.get(argv[0])
     if command is None:
-        print(f"tpe-study: unknown command {argv[0]!r}; use one of {', '.join(COMMANDS)}", file=sys.stderr)
+        logs.configure("tpe-study")
+        log.error("unknown command %r; use one of %s", argv[0], ", ".join(COMMANDS))
         return 2
+    logs.configure(f"tpe-study {argv[0]}")
     from tpe_train.run.exits import EXIT_PREEMPTED
+    from tpe_train.run.outputs import OutputRefused
     from tpe_train.study.runner import StudyPreempted
 
     try:
         return command(argv[1:])
     except StudyPreempted as err:
-        print(f"tpe-study {argv[0]}: {err}", file=sys.stderr)
+        log.warning("%s", err)
         return EXIT_PREEMPTED
     except KeyboardInterrupt:
-        print(f"tpe-study {argv[0]}: interrupted; the same command resumes the study", file=sys.stderr)
+        log.warning("interrupted; the same command resumes the study")
         return 130
-    except (StudyError, ConfigError, RunDirBusy) as err:
-        print(f"tpe-study {argv[0]}: error: {err}", file=sys.stderr)
+    except (StudyError, ConfigError, RunDirBusy, OutputRefused) as err:
+        log.error("%s", err)
         return 2
 
 

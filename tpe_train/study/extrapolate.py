@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import copy
 import hashlib
-import json
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -32,7 +31,7 @@ from typing import Any
 
 import torch
 
-from tpe_train.ckpt.export import META, WEIGHTS, load_export
+from tpe_train.ckpt.export import WEIGHTS, load_export, read_meta
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.config import Config, ConfigError
 from tpe_train.data.sources import CorpusError
@@ -102,8 +101,7 @@ class Checkpoint:
 
 
 def _weights_id(path: Path) -> str:
-    meta = path / META
-    recorded = json.loads(meta.read_text()).get("sha256", {}).get(WEIGHTS) if meta.is_file() else None
+    recorded = read_meta(path).get("sha256", {}).get(WEIGHTS)
     if recorded:
         return str(recorded)
     stat = (path / WEIGHTS).stat()

@@ -30,6 +30,7 @@ from tpe_train.ckpt.rundir import RunDir
 from tpe_train.config import Config, ConfigError, load_config
 from tpe_train.evaluation.evaluate import EvalFiles
 from tpe_train.positions import POSITIONS
+from tpe_train.run import atomic
 
 #: The encodings in the order of the README's table; the default grid of ``tpe-study run``.
 ENCODINGS = ("none", "sinusoidal", "learned", "shaw", "t5", "rope", "alibi")
@@ -90,14 +91,6 @@ def parse_setting(name: str) -> Setting:
     if kind == "none" and variant:
         raise StudyError(f"setting {name!r}: 'none' has no positions to remove; use 'none'")
     return Setting(kind, variant)
-
-
-def setting_of(cfg: Config) -> Setting:
-    """The setting a resolved config trains (for runs found on disk)."""
-    p = cfg.model.position
-    if p.kind == "none" or not (p.encoder or p.decoder):
-        return Setting("none")
-    return Setting(p.kind, "" if p.encoder and p.decoder else ("noenc" if p.decoder else "nodec"))
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -244,7 +237,7 @@ class Study:
         self.root.mkdir(parents=True, exist_ok=True)
         data = asdict(self)
         data.pop("root")
-        (self.root / MANIFEST).write_text(json.dumps(data, indent=2) + "\n")
+        atomic.write_json(self.root / MANIFEST, data, indent=2)
 
     @classmethod
     def load(cls, root: Path) -> Study:

@@ -22,7 +22,7 @@ from tpe_train.study.grid import Setting, Study
 from tpe_train.study.results import FIGURES, Row, Run, bucket_low, bucket_names, run_config, training_cap
 
 
-def _bars(ax: Axes, rows: list[Row], runs: list[Run], key: str, scale: float) -> None:
+def _bars(ax: Axes, rows: list[Row], key: str, scale: float) -> None:
     """Mean per setting with the sample standard deviation as error bar, and every seed as a dot."""
     names = [r.setting.name for r in rows]
     means = [scale * r.figures[key].mean if r.figures[key].values else math.nan for r in rows]
@@ -36,19 +36,19 @@ def _bars(ax: Axes, rows: list[Row], runs: list[Run], key: str, scale: float) ->
     ax.grid(axis="y", alpha=0.3)
 
 
-def bleu_figure(rows: list[Row], runs: list[Run]) -> Figure:
+def bleu_figure(rows: list[Row]) -> Figure:
     fig = Figure(figsize=(max(5.0, 0.9 * len(rows) + 2), 4), layout="constrained")
     ax = fig.add_subplot()
-    _bars(ax, rows, runs, "bleu", 1.0)
+    _bars(ax, rows, "bleu", 1.0)
     ax.set_ylabel("BLEU (sacreBLEU, test)")
     ax.set_title("BLEU per setting (mean ± sd over seeds; dots: seeds)")
     return fig
 
 
-def probe_figure(rows: list[Row], runs: list[Run]) -> Figure:
+def probe_figure(rows: list[Row]) -> Figure:
     fig = Figure(figsize=(max(5.0, 0.9 * len(rows) + 2), 4), layout="constrained")
     ax = fig.add_subplot()
-    _bars(ax, rows, runs, "probe_accuracy", FIGURES["probe_accuracy"][1])
+    _bars(ax, rows, "probe_accuracy", FIGURES["probe_accuracy"][1])
     ax.set_ylim(0, 105)
     ax.set_ylabel("minimal pairs both translated exactly (%)")
     ax.set_title("Word-order probe accuracy (mean ± sd over seeds)")
@@ -183,11 +183,11 @@ def make_figures(
     notes: list[str] = []
     if not any(row.figures["bleu"].values for row in rows):
         return figures, ["no run has figures yet: no plots"]
-    figures["bleu_per_encoding"] = bleu_figure(rows, runs)
+    figures["bleu_per_encoding"] = bleu_figure(rows)
     if bucket_names(runs):
         figures["bleu_by_length"] = length_figure(rows, runs)
     if any(row.figures["probe_accuracy"].values for row in rows):
-        figures["probe_accuracy"] = probe_figure(rows, runs)
+        figures["probe_accuracy"] = probe_figure(rows)
     else:
         notes.append("the corpus has no word-order probes (synthetic corpus only): no probe plot")
     panels, table_notes = position_tables(study, runs, heatmap_positions)

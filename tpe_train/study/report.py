@@ -12,12 +12,15 @@ length bucket, ``summary.json``, and one score-against-length figure per row gro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
 from pathlib import Path
 from typing import Any
 
+from tpe_train.ckpt.rundir import RunDir
 from tpe_train.evaluation.metrics import PairedResult
+from tpe_train.run.outputs import check_output, files_of, written_directory
 from tpe_train.study.extrapolate import ALL, BucketTests, Outcome
 from tpe_train.study.grid import Study
 from tpe_train.study.position_methods import BASELINE
@@ -248,18 +251,44 @@ def write_report(study: Study, heatmap_positions: int = 128) -> Path:
     """Gather the study and write ``report/`` (markdown, summary, PNG plots, TensorBoard images)."""
     from tpe_train.study.plots import make_figures, write_figures
 
+    out = study.report_dir
+    check_report_dir(out, "tpe-study report", REPORT)  # before any work
     runs = gather(study)
     rows = aggregate(study, runs)
     tests = significance(study, runs)
-    out = study.report_dir
-    out.mkdir(parents=True, exist_ok=True)
     figures, notes = make_figures(study, runs, rows, heatmap_positions)
     text_without_plots = markdown(study, runs, rows, [], notes, tests)
-    plots = write_figures(figures, out, out / "tb", text_without_plots)
-    path = out / "report.md"
-    path.write_text(markdown(study, runs, rows, plots, notes, tests))
-    (out / "summary.json").write_text(json.dumps(summary(study, rows, tests), indent=2) + "\n")
-    return path
+    with report_directory(out, "tpe-study report", REPORT) as tmp:
+        plots = write_figures(figures, tmp, tmp / "tb", text_without_plots)
+        (tmp / "report.md").write_text(markdown(study, runs, rows, plots, notes, tests))
+        (tmp / "summary.json").write_text(json.dumps(summary(study, rows, tests), indent=2) + "\n")
+    return out / "report.md"
+
+
+#: The kinds of output (``run.outputs``) of a study's report and of ``tpe-study extrapolate``'s.
+REPORT, EXTRAPOLATION_REPORT = "study-report", "extrapolation-report"
+
+
+def legacy_report(path: Path) -> bool:
+    """Whether ``path`` is a report written before output markers existed: report.md, summary.json,
+    PNG plots and TensorBoard events, nothing else."""
+    files = files_of(path)
+
+    def ours(name: str) -> bool:
+        plot = "/" not in name and name.endswith(".png")
+        return name in ("report.md", "summary.json") or plot or name.startswith("tb/events.out.tfevents.")
+
+    return "report.md" in files and all(ours(f) for f in files)
+
+
+def check_report_dir(out: Path, command: str, kind: str) -> None:
+    """Refuse a report folder that holds anything but an earlier report (``run.outputs``)."""
+    check_output(out, command, kind, legacy=legacy_report, protected=RunDir.what)
+
+
+def report_directory(out: Path, command: str, kind: str) -> contextlib.AbstractContextManager[Path]:
+    """A temporary folder that replaces the report folder ``out`` once filled (``run.outputs``)."""
+    return written_directory(out, command, kind, legacy=legacy_report, protected=RunDir.what)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -423,13 +452,13 @@ def write_extrapolation_report(outcome: Outcome) -> Path:
     from tpe_train.study.plots import extrapolation_figure, write_figures
 
     out = outcome.plan.out / "report"
-    out.mkdir(parents=True, exist_ok=True)
+    check_report_dir(out, "tpe-study extrapolate", EXTRAPOLATION_REPORT)
     figures = {"extrapolation_" + re.sub(r"[^\w.+-]", "_", g): extrapolation_figure(outcome, g)
                for g in outcome.groups()}  # fmt: skip
-    plots = write_figures(figures, out, out / "tb", extrapolation_markdown(outcome, []))
-    path = out / "report.md"
-    path.write_text(extrapolation_markdown(outcome, plots))
-    # compact: every bucket of every row holds its paired tests (indented, a 69-cell report was 1.4 MB)
-    summary = json.dumps(extrapolation_summary(outcome), separators=(",", ":"))
-    (out / "summary.json").write_text(summary + "\n")
-    return path
+    with report_directory(out, "tpe-study extrapolate", EXTRAPOLATION_REPORT) as tmp:
+        plots = write_figures(figures, tmp, tmp / "tb", extrapolation_markdown(outcome, []))
+        (tmp / "report.md").write_text(extrapolation_markdown(outcome, plots))
+        # compact: every bucket of every row holds its paired tests (indented, a 69-cell report was 1.4 MB)
+        summary = json.dumps(extrapolation_summary(outcome), separators=(",", ":"))
+        (tmp / "summary.json").write_text(summary + "\n")
+    return out / "report.md"

@@ -18,6 +18,7 @@ from tpe_train.data.corpus import Prepared
 from tpe_train.parallel.batch import BatchPlan, estimated_micro_tokens, largest_fitting, micro_tokens, resolve
 from tpe_train.parallel.checkpointing import apply_activation_checkpointing
 from tpe_train.parallel.context import ParallelContext
+from tpe_train.run import atomic
 from tpe_train.train.step import autocast_dtype, batch_terms
 
 
@@ -97,7 +98,7 @@ def record(run_dir: RunDir, batch: BatchPlan, auto: bool) -> None:
     """``<run_dir>/batch.json``: the resolution of this start, and with ``auto`` (data.max_tokens=auto)
     the probed micro-batch that a resume reuses."""
     probed = batch.max_tokens if auto else None
-    run_dir.batch.write_text(json.dumps({**batch.as_dict(), "probed_max_tokens": probed}, indent=2))
+    atomic.write_json(run_dir.batch, {**batch.as_dict(), "probed_max_tokens": probed}, indent=2)
 
 
 def auto_note(asked: Config, batch: BatchPlan) -> str | None:

@@ -13,6 +13,7 @@ from tpe_train.config import ConfigError, load_config
 from tpe_train.data.sources import CorpusError
 from tpe_train.run.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED, end_process, preempted_exit
 from tpe_train.run.lock import RunDirBusy
+from tpe_train.run.members import MemberError
 from tpe_train.train.loop import Preempted, run
 
 
@@ -39,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
             print(cfg.to_yaml(), end="")
             return 0
         run(cfg)
-    except (ConfigError, CorpusError, CheckpointError, RunDirBusy) as err:  # reported, no traceback
+    except (ConfigError, CorpusError, CheckpointError, MemberError, RunDirBusy) as err:  # no traceback
         if main_rank and not getattr(err, "reported", False):
             print(f"tpe-train: {err}", file=sys.stderr)
         return EXIT_BAD_INPUT

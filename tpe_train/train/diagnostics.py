@@ -17,7 +17,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from tpe_train.config import Config, ConfigError
 from tpe_train.data.corpus import Prepared, pairs_of
-from tpe_train.evaluation.diagnostics import (
+from tpe_train.evaluation.position_report import (
     DIAGNOSTIC_PAIRS,
     SHORT,
     diagnose,

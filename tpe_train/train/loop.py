@@ -29,10 +29,11 @@ from tpe_train.data.corpus import Prepared, TrainBatches, prepare
 from tpe_train.evaluation.evaluate import EvalFiles, config_sets, evaluate, format_table
 from tpe_train.parallel.checkpointing import apply_activation_checkpointing
 from tpe_train.parallel.context import ParallelContext
-from tpe_train.parallel.deepspeed import Layout, deepspeed_config, resolve_layout
+from tpe_train.parallel.deepspeed import ProcessLayout, deepspeed_config, resolve_layout
 from tpe_train.parallel.engine import Engine
 from tpe_train.parallel.memory import memory_report
 from tpe_train.parallel.plan import apply_tensor_parallel
+from tpe_train.run import atomic
 from tpe_train.run import lock as run_lock
 from tpe_train.run.exits import EXIT_PREEMPTED
 from tpe_train.train import batch_size, selection
@@ -78,7 +79,7 @@ def prepare_data(cfg: Config, ctx: ParallelContext) -> Prepared:
     return data
 
 
-def build_engine(cfg: Config, data: Prepared, ctx: ParallelContext, layout: Layout) -> Engine:
+def build_engine(cfg: Config, data: Prepared, ctx: ParallelContext, layout: ProcessLayout) -> Engine:
     """Model (same initial weights on every rank), position shards, optimizer, schedule, engine."""
     model = build_model(cfg, data.tokenizer)
     apply_tensor_parallel(model, ctx)
@@ -138,7 +139,7 @@ def run(cfg: Config) -> dict[str, Any]:
         return train(cfg, layout, ctx)
 
 
-def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
+def train(cfg: Config, layout: ProcessLayout, ctx: ParallelContext) -> dict[str, Any]:
     """The run itself, once this process's rank 0 owns the run directory."""
     seed_everything(cfg.train.seed)
     if cfg.train.threads:
@@ -168,7 +169,7 @@ def train(cfg: Config, layout: Layout, ctx: ParallelContext) -> dict[str, Any]:
     if writer is not None:
         writer.add_text("batch", "\n\n".join(filter(None, (batch.line(), batch.warning()))), progress.step)
     if ctx.is_main:
-        run_dir.config.write_text(asked.to_yaml())  # resolved config, before step 1
+        atomic.write_text(run_dir.config, asked.to_yaml())  # resolved config, before step 1
         batch_size.record(run_dir, batch, auto=asked.data.max_tokens == 0)
         if engine.uses_deepspeed:
             run_dir.deepspeed_config.write_text(json.dumps(deepspeed_config(cfg, layout), indent=2))

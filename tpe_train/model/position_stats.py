@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from tpe_train.model.attention import Attention
 from tpe_train.model.transformer import Stack, Transformer
@@ -145,8 +145,3 @@ def position_similarity(model: Transformer, length: int, learned_only: bool = Fa
         if rows is not None:
             out[side] = cosine_similarity(rows)
     return out
-
-
-def attention_modules(model: nn.Module) -> list[Attention]:
-    """Every attention module of ``model`` (for tests and tools that check none is left probed)."""
-    return [m for m in model.modules() if isinstance(m, Attention)]

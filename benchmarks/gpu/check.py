@@ -1,6 +1,6 @@
-"""The checks that need a GPU, as one script: ``python benchmarks/gpu_check.py OUT_DIR`` on a machine with at
+"""The checks that need a GPU, as one script: ``python -m benchmarks.gpu.check OUT_DIR`` on a machine with at
 least one CUDA GPU. Not collected by pytest (CI has no GPU); docs/gpu.md records what it printed.
-``python benchmarks/gpu_check.py OUT_DIR --dry-run`` (any machine, seconds; the CI smoke test runs it) runs
+``python -m benchmarks.gpu.check OUT_DIR --dry-run`` (any machine, seconds; the CI smoke test runs it) runs
 nothing on a GPU: each check's commands are parsed by their own parsers, their configs loaded and
 validated, and ``tpe-launch run`` prints its command (``--dry-run``).
 
@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import ROOT, tb_scalars
+
+from benchmarks.harness import ROOT, tb_scalars
 
 failures: list[str] = []
 

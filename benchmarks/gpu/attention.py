@@ -1,7 +1,7 @@
 """The GPU checks of attention in one script (at most 8 minutes on one H200, set-up included); CI has no GPU.
 
-    python benchmarks/gpu_attention.py OUT_DIR              # on a machine with a CUDA GPU
-    python benchmarks/gpu_attention.py OUT_DIR --dry-run    # the same checks on the CPU, tiny shapes,
+    python -m benchmarks.gpu.attention OUT_DIR              # on a machine with a CUDA GPU
+    python -m benchmarks.gpu.attention OUT_DIR --dry-run    # the same checks on the CPU, tiny shapes,
                                                             # seconds (the CI smoke test runs it)
 
 1. Gradients (fp32, TF32 off) for every encoding (Shaw with and without relative values): a tiny
@@ -36,8 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import ROOT, build
 
+from benchmarks.harness import ROOT, build
 from tpe_train.config import load_config
 from tpe_train.model import gradcheck
 from tpe_train.model.transformer import Transformer
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("out", type=Path, help="folder for the raw output")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes: exercise every code path")
     args = p.parse_args(argv)
-    run = Run.start(args.out, args.dry_run, "gpu_attention")
+    run = Run.start(args.out, args.dry_run, "benchmarks.gpu.attention")
     if run is None:
         return 2
     gpu, log = run.gpu, run.log

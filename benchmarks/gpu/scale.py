@@ -1,9 +1,9 @@
 """The GPU goals of a step near the hardware, in one script (at most 8 minutes on one H200, set-up
-included); CI has no GPU. The attention checks are ``gpu_attention.py``'s; this one measures the rest.
+included); CI has no GPU. The attention checks are ``attention.py``'s (this folder); this one the rest.
 
-    python benchmarks/gpu_scale.py OUT_DIR [--data DIR]   # on a machine with a CUDA GPU (DeepSpeed
+    python -m benchmarks.gpu.scale OUT_DIR [--data DIR]   # on a machine with a CUDA GPU (DeepSpeed
                                                           # installed for part 2)
-    python benchmarks/gpu_scale.py OUT_DIR --dry-run      # the same parts on the CPU in their small
+    python -m benchmarks.gpu.scale OUT_DIR --dry-run      # the same parts on the CPU in their small
                                                           # modes, seconds (the CI smoke test runs it)
 
 1. Memory (``bench_memory.py``, base preset, 64 x 64 tokens, bf16): peak allocated above the weights
@@ -15,7 +15,7 @@ included); CI has no GPU. The attention checks are ``gpu_attention.py``'s; this 
 3. A micro-batch that fills the GPU (``bench_attention.py``, big preset, batches of ``--max-tokens``
    50,000 padded tokens, about 25,000 target tokens, bf16, sdpa): ``none``, ``sinusoidal`` and
    ``rope`` eager, ``none`` and ``sinusoidal`` compiled, and the Hugging Face peers, each row warmed
-   twice over both batch shapes, 10 timed steps. Goals (``gpu_attention.summary``): MFU >= 40% of the
+   twice over both batch shapes, 10 timed steps. Goals (``attention.summary``): MFU >= 40% of the
    bf16 matmul peak measured in the same rounds, compiled >= 1.3x eager, every encoding within 1.10x
    of ``none``, each encoding >= 1.3x its Hugging Face peer.
 4. ``summary.txt``: each goal PASS or FAIL with its figure, or NOT MEASURED where its part failed;
@@ -40,9 +40,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from gpu_attention import Log, Run
-from gpu_attention import summary as attention_goals
-from harness import ROOT
+from benchmarks.gpu.attention import Log, Run
+from benchmarks.gpu.attention import summary as attention_goals
+from benchmarks.harness import ROOT
 
 #: (met, text) per goal; met is None for a figure reported alongside without a goal
 Goals = list[tuple[bool | None, str]]
@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--data", type=Path, help="the shared data folder for part 3 (default ../shared/data)")
     p.add_argument("--dry-run", action="store_true", help="CPU, small modes: exercise every code path")
     args = p.parse_args(argv)
-    run = Run.start(args.out, args.dry_run, "gpu_scale")
+    run = Run.start(args.out, args.dry_run, "benchmarks.gpu.scale")
     if run is None:
         return 2
     gpu, log = run.gpu, run.log

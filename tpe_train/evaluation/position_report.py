@@ -1,6 +1,6 @@
 """Position diagnostics on a fixed batch of text pairs: the figures, their JSON, table and images.
 
-What is measured (``tpe_train.model.diagnostics``): per layer and head of encoder and decoder
+What is measured (``tpe_train.model.position_stats``): per layer and head of encoder and decoder
 self-attention, the mean attention distance sum_j p_ij |i - j| over real query positions; for an
 encoding that adds position vectors to the embeddings, the cosine similarity of those vectors.
 
@@ -32,7 +32,7 @@ from torch import Tensor
 from tpe_train.data.batching import BOS_ID, EOS_ID, pad
 from tpe_train.data.synthetic import Pair
 from tpe_train.data.tokenizer import encode
-from tpe_train.model.diagnostics import SIDES, Distances, attention_distances, position_similarity
+from tpe_train.model.position_stats import SIDES, Distances, attention_distances, position_similarity
 from tpe_train.model.transformer import Transformer
 
 #: sentences in the diagnostics batch
