@@ -161,14 +161,15 @@ def _config_run_dir(preset: str, overrides: list[str]) -> tuple[Path, str, int]:
     return cfg.run_dir(), check_name("preset name", cfg.preset), cfg.train.seed
 
 
-def _validate_sweep_kinds(preset: str, overrides: list[str], kinds: list[str]) -> None:
+def _validate_sweep_kinds(preset: str, overrides: list[str], kinds: list[str], chosen: bool) -> None:
     from tpe_train.config import ConfigError, load_config
 
     for kind in kinds:
         try:
             load_config(preset, [*overrides, f"model.position.kind={kind}"])
         except ConfigError as err:
-            raise LaunchError(f"sweep element {kind}: {err}") from None
+            hint = "" if chosen else " (or choose the encodings the sweep runs with --kinds a,b,c)"
+            raise LaunchError(f"sweep element {kind}: {err}{hint}") from None
 
 
 def _cpus_per_task(args: SubmitArgs, res: Resources) -> int | None:
@@ -268,7 +269,7 @@ def build(args: SubmitArgs) -> Submission:
                 "the position sweep sets model.position.kind itself; drop it from the overrides"
             )
         kinds = [sweep[i] for i in indices]
-        _validate_sweep_kinds(args.preset, overrides, list(sweep) if args.kinds else kinds)
+        _validate_sweep_kinds(args.preset, overrides, list(sweep) if args.kinds else kinds, bool(args.kinds))
         _, preset_name, seed = _config_run_dir(args.preset, overrides)
         rd = [o.partition("=")[2] for o in overrides if o.partition("=")[0].strip() == "train.run_dir"]
         root = Path(args.sweep_root or (rd[-1] if rd else f"runs/{preset_name}-positions-s{seed}"))

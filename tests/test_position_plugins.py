@@ -165,6 +165,11 @@ def test_unusable_plugins_warn_once_and_asking_for_one_names_package_entry_point
         message = " ".join(proc.stderr.split())
         assert f"model.position.kind='{kind}': the position encoding of entry point {kind} = " in message
         assert "of package badpos" in message and why in message, message
+    # the default sweep holds them (7 broken, 8 notenc, 9 scaled: every installed name keeps its index)
+    proc = run([*command("tpe-launch"), "submit", "--script", "sweep_positions", "--preset", "demo",
+                "--array", "7", "--dry-run"], bad)  # fmt: skip
+    assert proc.returncode != 0 and "sweep element broken: " in proc.stderr, proc.stderr
+    assert "choose the encodings the sweep runs with --kinds" in proc.stderr
     # the good plugin next to them still trains through the config
     code = "from tpe_train.config import load_config; "
     code += "print(load_config('demo', ['model.position.kind=scaled']).model.position.kind)"
