@@ -82,6 +82,14 @@ def check_wmt_scale(out: Path, stdout: str) -> None:
     assert "goals: peak memory <= 3 GB" in stdout
 
 
+def check_prepare(out: Path, stdout: str) -> None:
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["tree"], r["pairs"]) for r in rows] == [("this tree", 3000)]
+    assert rows[0]["pairs_per_s"] > 0 and 0 < rows[0]["peak_anon_gib"] <= rows[0]["peak_pss_gib"]
+    assert "duplicate" in rows[0]["summary"][0] and rows[0]["summary"][1].startswith("built ")
+    assert "anon GiB" in stdout
+
+
 def check_checkpoint(out: Path, stdout: str) -> None:
     figures = json.loads(out.read_text())["zero3x2"]
     assert (figures["world_size"], figures["zero_stage"], len(figures["ranks"])) == (2, 3, 2)
@@ -154,6 +162,7 @@ SMOKE: dict[str, tuple[list[str], Check]] = {
     "bench_translate.py": (["--smoke", "--threads", "1", "--json", "OUT"], check_translate),
     "bench_data.py": (["--smoke", "--threads", "1", "--json", "OUT"], check_data),
     "bench_wmt_scale.py": (["--smoke", "--json", "OUT"], check_wmt_scale),
+    "bench_prepare.py": (["--smoke", "--json", "OUT"], check_prepare),
     "bench_checkpoint.py": (["--smoke", "--json", "OUT"], check_checkpoint),
     "bench_parallel.py": (["--smoke", "--json", "OUT"], check_parallel),
     "bench_memory.py": (["--smoke", "--threads", "1", "--json", "OUT"], check_memory),

@@ -3,6 +3,7 @@ validated by pydantic, errors reported as one paragraph per key."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from pydantic.fields import FieldInfo
 from tpe_train.config.sections import Config, ConfigError
 from tpe_train.config.types import allowed
 
+log = logging.getLogger(__name__)
 PRESET_DIR = Path(__file__).resolve().parents[2] / "configs" / "presets"
 
 
@@ -86,7 +88,18 @@ def load_config(preset: str | None = "demo", overrides: list[str] | None = None)
         data.setdefault("preset", Path(preset).stem)
     if overrides:
         data = _merge(data, parse_overrides(overrides))
-    return validate(_resolve(data))
+    cfg = validate(_resolve(data))
+    if preset and Path(preset).stem == "demo" and cfg.data.corpus != "synthetic":
+        log.warning(
+            "data.corpus=%s on the demo preset trains the demo's model on it (d_model %d, a %d-word "
+            "vocabulary, %d steps), sized for the embedded corpus; for a corpus of your own use "
+            "--preset own_corpus (the base Transformer, the paper's schedule; docs/data.md)",
+            cfg.data.corpus,
+            cfg.model.d_model,
+            cfg.data.vocab_size,
+            cfg.train.max_steps,
+        )
+    return cfg
 
 
 def _resolve(data: dict[str, Any]) -> dict[str, Any]:

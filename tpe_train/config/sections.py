@@ -185,7 +185,8 @@ class CleanConfig(Section):
     max_ratio: Float = Field(9.0, ge=0.0)
     """Drop training pairs whose word-count ratio exceeds this (Moses clean-corpus-n; 0: off)."""
     dedup: Bool = False
-    """Drop exact duplicate training pairs (after normalisation)."""
+    """Drop exact duplicate training pairs (after normalisation; the first is kept, found by an 8-byte hash
+    of each pair)."""
 
 
 class DataConfig(Section):

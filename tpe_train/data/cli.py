@@ -1,5 +1,7 @@
 """``tpe-data prepare --preset P [overrides]``: build the token store ahead of training, once, so that
-the ranks of a multi-node job only read it."""
+the ranks of a multi-node job only read it. ``tpe-data check --preset P [overrides]``: the files the
+corpus needs, the ones found, lines per side and every problem with its fix, before any training
+(exit status 1 when there is a problem)."""
 
 from __future__ import annotations
 
@@ -7,7 +9,8 @@ import argparse
 import logging
 import sys
 
-from tpe_train.config import ConfigError, load_config
+from tpe_train.config import ConfigError, DataConfig, load_config
+from tpe_train.data.check import check_corpus, suggested_vocab
 from tpe_train.data.corpus import prepare
 from tpe_train.data.sources import CorpusError
 from tpe_train.run import logs
@@ -16,17 +19,44 @@ from tpe_train.run.members import MemberError
 log = logging.getLogger(__name__)
 
 
+def _check(cfg_data: DataConfig) -> int:
+    report = check_corpus(cfg_data)
+    for line in report.lines:
+        log.info("%s", line)
+    for p in report.problems:
+        stop = " (tpe-data prepare stops on this)" if p.stops else ""
+        log.warning("%s: %s%s. Fix: %s", p.where, p.what, stop, p.fix)
+    if report.train_pairs:
+        size = suggested_vocab(report.train_pairs)
+        log.info(
+            "%s training pairs: a joint BPE of about %s (data.vocab_size=%d; now %d)",
+            f"{report.train_pairs:,}",
+            f"{size:,}",
+            size,
+            cfg_data.vocab_size,
+        )
+    if report.problems:
+        log.warning("%d problems: fix them and run tpe-data check again", len(report.problems))
+        return 1
+    log.info("no problems found")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``tpe-data``."""
     parser = argparse.ArgumentParser(prog="tpe-data", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     prep = sub.add_parser("prepare", help="clean, train the tokenizer, tokenise and store a corpus")
-    prep.add_argument("--preset", default="demo", help="preset name in configs/presets or a YAML path")
-    prep.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.corpus=text data.path=DIR")
+    check = sub.add_parser("check", help="list the corpus files expected and found, and their problems")
+    for p in (prep, check):
+        p.add_argument("--preset", default="demo", help="preset name in configs/presets or a YAML path")
+        p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.corpus=text data.path=DIR")
     args = parser.parse_args(argv)
     logs.configure("tpe-data")
     try:
         cfg = load_config(args.preset, args.overrides)
+        if args.command == "check":
+            return _check(cfg.data)
         data = prepare(cfg.data)
     except (ConfigError, CorpusError, MemberError) as err:  # MemberError: a damaged token store
         log.error("%s", err)

@@ -14,8 +14,9 @@ from tokenizers import Tokenizer
 from tpe_train.data import synthetic
 from tpe_train.data.batching import EOS_ID, Batch, BatchIterator, BatchState, collate, length_arrays
 from tpe_train.data.clean import CleanSpec, clean, clean_spec, clean_stream, format_report
+from tpe_train.data.lengths import fits
 from tpe_train.data.sources import CorpusError, load_split, source_spec, stream_split
-from tpe_train.data.store import load_store, store_path, write_store
+from tpe_train.data.store import load_store, store_lock, store_path, write_store
 from tpe_train.data.streaming import StreamingBatches
 from tpe_train.data.tokenizer import encode, load_tokenizer, train_tokenizer, vocab_hash
 
@@ -84,6 +85,10 @@ def corpus_splits(cfg: DataConfig) -> Splits:
     train = loaded_train = load_split(spec, cfg.train_split)
     valid = loaded_valid = load_split(spec, cfg.valid_split)
     test = load_split(spec, cfg.test_split)
+    strip = CleanSpec(normalize="none", min_words=1, max_words=10**9, max_ratio=0.0)
+    valid, _ = clean(valid, strip)
+    if len(valid) == 0:
+        check_valid(valid, cfg)  # an empty validation set stops here, before cleaning and BPE
     before = len(train)
     train, dropped = clean(train, clean_spec(cfg.clean), num_proc=cfg.num_proc)
     report = [format_report(cfg.train_split, before, dropped)]
@@ -92,9 +97,7 @@ def corpus_splits(cfg: DataConfig) -> Splits:
             f"no training pair is left after cleaning ({report[0]}); relax data.clean.* or check "
             f"that data.src_lang / data.tgt_lang name the right sides"
         )
-    strip = CleanSpec(normalize="none", min_words=1, max_words=10**9, max_ratio=0.0)
     scratch = made_files(loaded_train, loaded_valid, test)
-    valid, _ = clean(valid, strip)
     return Splits(train, valid, pairs_of(test), report=report, scratch=scratch | made_files(train, valid))
 
 
@@ -162,18 +165,43 @@ def prepare(cfg: DataConfig, run_tokenizer: Path | None = None) -> Prepared:
     With ``run_tokenizer``, the store's tokenizer is copied there, or checked against the one a
     run directory already holds (a resumed run must keep its vocabulary)."""
     path = store_path(cfg)
-    stored = load_store(path)
-    if stored is not None:
-        tok, train, valid, meta = stored
-        splits = synthetic_splits(cfg) if cfg.corpus == "synthetic" else test_splits(cfg)
-        splits.valid = valid
-        splits.report = meta.get("report", [])
-        prepared = Prepared(splits, tok, train, valid, meta["dropped_too_long"], path, built=False)
-    else:
-        prepared = _build(cfg, path)
+    prepared = _reuse(cfg, path)
+    if prepared is None:
+        with store_lock(path):  # another process may be building it: wait, then reuse its store
+            prepared = _reuse(cfg, path) or _build(cfg, path)
     if run_tokenizer is not None:
         _check_or_copy_tokenizer(prepared.tokenizer, run_tokenizer)
     return prepared
+
+
+def _reuse(cfg: DataConfig, path: Path) -> Prepared | None:
+    stored = load_store(path)
+    if stored is None:
+        return None
+    tok, train, valid, meta = stored
+    splits = synthetic_splits(cfg) if cfg.corpus == "synthetic" else test_splits(cfg)
+    splits.valid = valid
+    splits.report = meta.get("report", [])
+    return Prepared(splits, tok, train, valid, meta["dropped_too_long"], path, built=False)
+
+
+def check_valid(valid: Dataset, cfg: DataConfig) -> None:
+    """Refuse, before training, a validation set that the first validation could not use: an empty
+    one, or one where no pair fits data.max_len (``valid`` tokenised: ``src_len``/``tgt_len``)."""
+    where = f"the validation split data.valid_split={cfg.valid_split!r}"
+    if cfg.corpus == "text":
+        where += f" ({cfg.path}/{cfg.valid_split}.{cfg.src_lang} and .{cfg.tgt_lang})"
+    if len(valid) == 0:
+        raise CorpusError(
+            f"{where} has no pairs; validation needs at least one: point data.valid_split at a "
+            "non-empty split (a text corpus: <split>.<lang> files with lines on both sides)"
+        )
+    lengths = valid.with_format("numpy")
+    if not fits(np.asarray(lengths["src_len"]), np.asarray(lengths["tgt_len"]), cfg.max_len).any():
+        raise CorpusError(
+            f"no pair of {where} fits data.max_len={cfg.max_len} tokens on both sides, so validation "
+            "would have nothing to score; raise data.max_len or use a validation set of shorter sentences"
+        )
 
 
 def train_stream(cfg: DataConfig) -> IterableDataset:
@@ -193,6 +221,7 @@ def _build_streaming(cfg: DataConfig, path: Path) -> Prepared:
     tok = train_tokenizer(_texts(sample), cfg.vocab_size, cfg.tokenizer)
     empty = to_dataset(_pairs_dataset([]), tok)
     valid = to_dataset(splits.valid, tok)
+    check_valid(valid, cfg)
     write_store(path, tok, empty, valid, {"dropped_too_long": 0, "report": []})
     splits.valid = valid
     return Prepared(splits, tok, empty, valid, 0, path, built=True)
@@ -263,17 +292,20 @@ def _build(cfg: DataConfig, path: Path) -> Prepared:
     splits = corpus_splits(cfg)
     tok = train_tokenizer(_texts(_sample(splits.train, cfg.tokenizer_sample)), cfg.vocab_size, cfg.tokenizer)
     num_proc = cfg.num_proc if cfg.num_proc > 1 else None
+    valid = to_dataset(splits.valid, tok)
+    check_valid(valid, cfg)  # before the long work on the training split
     train = tokenized = to_dataset(splits.train, tok, num_proc, text=False)
     before = len(train)
     train = train.filter(
-        lambda s, t: s <= cfg.max_len and t <= cfg.max_len,
+        lambda s, t: fits(np.asarray(s), np.asarray(t), cfg.max_len),
         input_columns=["src_len", "tgt_len"],
+        batched=True,
+        batch_size=10_000,
     )
     if len(train) == 0:
         raise CorpusError(
             f"no training pair is shorter than data.max_len={cfg.max_len} tokens; raise data.max_len"
         )
-    valid = to_dataset(splits.valid, tok)
     dropped = before - len(train)
     write_store(path, tok, train, valid, {"dropped_too_long": dropped, "report": splits.report})
     scratch = splits.scratch | made_files(tokenized, train, valid)

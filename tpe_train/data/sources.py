@@ -2,28 +2,30 @@
 
 Sources: a Hugging Face hub id (``wmt/wmt14``, config ``de-en``), a local directory in the hub's parquet
 layout (``de-en/train-00000-of-00003.parquet``), a ``save_to_disk`` directory, plain line-aligned text
-pairs (``train.en`` / ``train.de``, optionally gzipped), and the embedded synthetic generator.
+pairs (``train.en`` / ``train.de``, optionally gzipped; data/textfiles.py), and the synthetic generator.
 Problems (missing files, splits or languages, misaligned or non-UTF-8 text) raise ``CorpusError``
 with a message that names the file and the fix, before any long work starts.
 """
 
 from __future__ import annotations
 
-import gzip
-import itertools
-from collections.abc import Callable, Iterator
+import hashlib
+import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import datasets
 from datasets import Dataset, IterableDataset
 
 from tpe_train.config import DataConfig
+from tpe_train.data.errors import CorpusError
+from tpe_train.data.textfiles import check_aligned, line_pairs, stamp, write_arrow
+from tpe_train.run.atomic import temp_name
 
+__all__ = ["CorpusError", "SourceSpec", "load_split", "source_spec", "stream_split"]
 
-class CorpusError(ValueError):
-    """Bad corpus input, with a message naming the file (or split, or language) and the fix."""
+TEXT_FORMAT = 1  # bump when the Arrow file of a text split changes
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,7 +113,7 @@ def _hub(spec: SourceSpec, split: str) -> Dataset:
     return _from_translation(ds, spec, f"{spec.hub_id} ({spec.config_name}, {split})")
 
 
-def _parquet_files(spec: SourceSpec, split: str) -> list[str]:
+def parquet_files(spec: SourceSpec, split: str) -> list[str]:
     """``<path>[/<config>]/<split>-*.parquet``, as the hub lays them out."""
     root = Path(spec.path)
     folder = root / spec.config_name if (root / spec.config_name).is_dir() else root
@@ -127,7 +129,7 @@ def _parquet_files(spec: SourceSpec, split: str) -> list[str]:
 
 
 def _parquet(spec: SourceSpec, split: str) -> Dataset:
-    files = _parquet_files(spec, split)
+    files = parquet_files(spec, split)
     ds = datasets.load_dataset(
         "parquet", data_files={split: files}, split=split, cache_dir=spec.cache_dir or None
     )
@@ -158,38 +160,29 @@ def _text_file(path: Path) -> Path:
     raise CorpusError(f"{path} (or {gz.name}) not found; text corpora are <split>.<lang> line-aligned files")
 
 
-def _read_lines(path: Path, bad_utf8: str) -> list[str]:
-    opener: Any = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rb") as f:
-        raw = f.read()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        if bad_utf8 != "replace":
-            line = raw[: err.start].count(b"\n") + 1
-            raise CorpusError(
-                f"{path} line {line} is not UTF-8 (byte {raw[err.start]:#04x} at offset {err.start}); "
-                "convert the file to UTF-8, or set data.bad_utf8=replace to substitute U+FFFD"
-            ) from None
-        text = raw.decode("utf-8", errors="replace")
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()  # the final newline ends the last line; it does not start an empty one
-    return lines
+def _text_paths(spec: SourceSpec, split: str) -> tuple[Path, Path]:
+    root = Path(spec.path)
+    return _text_file(root / f"{split}.{spec.src_lang}"), _text_file(root / f"{split}.{spec.tgt_lang}")
 
 
 def _text(spec: SourceSpec, split: str) -> Dataset:
-    root = Path(spec.path)
-    src_path = _text_file(root / f"{split}.{spec.src_lang}")
-    tgt_path = _text_file(root / f"{split}.{spec.tgt_lang}")
-    src = _read_lines(src_path, spec.bad_utf8)
-    tgt = _read_lines(tgt_path, spec.bad_utf8)
-    if len(src) != len(tgt):
-        raise CorpusError(
-            f"{src_path} has {len(src)} lines but {tgt_path} has {len(tgt)}; the files of a text "
-            "corpus must be line-aligned (one segment per line on both sides)"
-        )
-    return Dataset.from_dict({"src": src, "tgt": tgt})
+    """The pairs of two text files, read in pieces into an Arrow file under the ``datasets`` cache
+    (``tpe-text/<split>-<key>.arrow``, the key following the files' contents): memory does not grow
+    with the corpus, and a changed file is read again."""
+    src_path, tgt_path = _text_paths(spec, split)
+    check_aligned(src_path, tgt_path)
+    key = hashlib.sha256(f"{TEXT_FORMAT}|{spec.bad_utf8}|{stamp(src_path, tgt_path)}".encode()).hexdigest()
+    folder = Path(spec.cache_dir or datasets.config.HF_DATASETS_CACHE) / "tpe-text"
+    path = folder / f"{split}-{key[:16]}.arrow"
+    if not path.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        tmp = temp_name(path)
+        try:
+            write_arrow(line_pairs(str(src_path), str(tgt_path), spec.bad_utf8), tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
+    return Dataset.from_file(str(path))
 
 
 def stream_split(spec: SourceSpec, split: str) -> IterableDataset:
@@ -199,15 +192,15 @@ def stream_split(spec: SourceSpec, split: str) -> IterableDataset:
             spec.hub_id, spec.config_name, split=split, streaming=True, cache_dir=spec.cache_dir or None
         )
     elif spec.kind == "parquet":
-        files = _parquet_files(spec, split)
+        files = parquet_files(spec, split)
         ds = datasets.load_dataset("parquet", data_files={split: files}, split=split, streaming=True)
     elif spec.kind == "disk":
         ds = _disk(spec, split).to_iterable_dataset(num_shards=8)
     elif spec.kind == "text":
-        src_path = _text_file(Path(spec.path) / f"{split}.{spec.src_lang}")
-        tgt_path = _text_file(Path(spec.path) / f"{split}.{spec.tgt_lang}")
+        src_path, tgt_path = _text_paths(spec, split)
+        check_aligned(src_path, tgt_path, compressed=False)
         return IterableDataset.from_generator(
-            _line_pairs, gen_kwargs={"src": str(src_path), "tgt": str(tgt_path), "bad_utf8": spec.bad_utf8}
+            line_pairs, gen_kwargs={"src": str(src_path), "tgt": str(tgt_path), "bad_utf8": spec.bad_utf8}
         )
     else:
         raise CorpusError(f"unknown corpus kind {spec.kind!r}")
@@ -218,27 +211,3 @@ def stream_split(spec: SourceSpec, split: str) -> IterableDataset:
     return ds.map(
         lambda r: {"src": r["translation"][src], "tgt": r["translation"][tgt]}, remove_columns=["translation"]
     )
-
-
-def _line_pairs(src: str, tgt: str, bad_utf8: str) -> Iterator[dict[str, str]]:
-    """Aligned lines of two files, read lazily; a length mismatch or bad bytes stop with a message."""
-    errors = "replace" if bad_utf8 == "replace" else "strict"
-    opener: Any = gzip.open
-    with (
-        (opener if src.endswith(".gz") else open)(src, "rt", encoding="utf-8", errors=errors) as fs,
-        (opener if tgt.endswith(".gz") else open)(tgt, "rt", encoding="utf-8", errors=errors) as ft,
-    ):
-        line = 0
-        try:
-            for line, (s, t) in enumerate(itertools.zip_longest(fs, ft), start=1):
-                if s is None or t is None:
-                    short = src if s is None else tgt
-                    raise CorpusError(
-                        f"{short} ends at line {line - 1} but the other side goes on; the files of a "
-                        "text corpus must be line-aligned"
-                    )
-                yield {"src": s.rstrip("\n"), "tgt": t.rstrip("\n")}
-        except UnicodeDecodeError:
-            raise CorpusError(
-                f"{src} or {tgt} near line {line + 1} is not UTF-8; convert it, or set data.bad_utf8=replace"
-            ) from None

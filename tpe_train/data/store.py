@@ -1,15 +1,20 @@
 """The binarised token store: tokenised train/valid sets and the tokenizer, memory-mapped Arrow on
 disk, keyed by a fingerprint of everything that shapes them (corpus, cleaning, tokenizer settings,
 length limit). ``tpe-data prepare`` builds it ahead of training so that the ranks of a multi-node job
-only read it; a run whose fingerprint matches reuses it.
+only read it; a run whose fingerprint matches reuses it. One process builds a store at a time
+(``store_lock``); the others wait and reuse it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
+import logging
 import os
 import shutil
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +24,7 @@ from tokenizers import Tokenizer
 from tpe_train.data.sources import CorpusError
 from tpe_train.data.tokenizer import vocab_hash
 from tpe_train.run import members
-from tpe_train.run.atomic import temp_name
+from tpe_train.run.atomic import fsync_dir, temp_name
 from tpe_train.run.outputs import mark_output
 
 if TYPE_CHECKING:
@@ -27,6 +32,7 @@ if TYPE_CHECKING:
 
 STORE_VERSION = 2  # bump when the stored columns change (2: uint16/int32 ids, no training text)
 DEFAULT_ROOT = "~/.cache/tpe-train/data"
+log = logging.getLogger(__name__)
 
 
 def fingerprint(cfg: DataConfig) -> str:
@@ -84,8 +90,39 @@ def _checked_split(folder: Path) -> Path:
     return folder
 
 
+@contextmanager
+def store_lock(path: Path) -> Iterator[None]:
+    """Hold the build lock of the store at ``path`` (``.<name>.lock`` beside it): of two processes
+    preparing one store (``tpe-study --jobs N``, a Slurm array), one builds while the other waits,
+    then finds the store complete and reuses it. ``flock`` also holds across the nodes of a cluster
+    file system that supports it (Lustre, GPFS, NFSv4 with locking); the lock file stays, empty."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("waiting for another process that prepares %s", path)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _fsync_tree(root: Path) -> None:
+    for folder, _, files in os.walk(root):
+        for name in files:
+            fd = os.open(Path(folder) / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(folder))
+
+
 def write_store(path: Path, tok: Tokenizer, train: Dataset, valid: Dataset, meta: dict[str, Any]) -> None:
-    """Write under a temporary name, then rename: a crash never leaves a half store at ``path``."""
+    """Write under a temporary name unique across hosts, fsync, then rename: a crash never leaves a
+    half store at ``path``, and two nodes never touch each other's temporaries."""
     tmp = temp_name(path)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
@@ -96,6 +133,7 @@ def write_store(path: Path, tok: Tokenizer, train: Dataset, valid: Dataset, meta
             ds.save_to_disk(str(tmp / name), num_shards=1 if len(ds) == 0 else None)
         (tmp / "meta.json").write_text(json.dumps({**meta, "vocab_hash": vocab_hash(tok)}, indent=2))
         mark_output(tmp, "tpe-data prepare", "token-store")
+        _fsync_tree(tmp)
     except BaseException:  # nothing half-written stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -105,3 +143,4 @@ def write_store(path: Path, tok: Tokenizer, train: Dataset, valid: Dataset, meta
         shutil.rmtree(tmp, ignore_errors=True)
         if not (path / "meta.json").is_file():
             raise
+    fsync_dir(path.parent)

@@ -22,6 +22,7 @@ from datasets.distributed import split_dataset_by_node
 from tokenizers import Tokenizer
 
 from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
+from tpe_train.data.lengths import fits
 from tpe_train.data.tokenizer import encode
 
 
@@ -94,7 +95,7 @@ class StreamingBatches:
         while True:
             for idx, src, tgt in self._draw():
                 s_ids, t_ids = ([*ids, EOS_ID] for ids in encode(self.tok, [src, tgt]))
-                if len(s_ids) > self.max_len or len(t_ids) > self.max_len:
+                if not fits(len(s_ids), len(t_ids), self.max_len):
                     continue
                 rows = [*self.pending, (idx, s_ids, t_ids)]
                 width = max(len(r[1]) for r in rows) + max(len(r[2]) for r in rows)

@@ -20,6 +20,7 @@ import torch
 from tpe_train.config import Config
 from tpe_train.data.batching import PAD_ID, Batch, BatchIterator, collate, length_arrays
 from tpe_train.data.corpus import pairs_of
+from tpe_train.data.lengths import fits
 from tpe_train.evaluation import metrics
 from tpe_train.evaluation.decoding import DecodeOptions, decode_sentences
 from tpe_train.model.chunked_loss import ChunkedLoss, Score
@@ -206,7 +207,7 @@ def validate(
         model.eval()
         src_len, tgt_len = length_arrays(data.valid)
         # Pairs longer than data.max_len are left out, as in training: a learned table may not reach them.
-        kept = np.nonzero((src_len <= cfg.data.max_len) & (tgt_len <= cfg.data.max_len))[0]
+        kept = np.nonzero(fits(src_len, tgt_len, cfg.data.max_len))[0]
         batches = BatchIterator(src_len[kept], tgt_len[kept], cfg.data.max_tokens, seed=0).batches
         mine = (collate(data.valid, kept[idx]).to(ctx.device) for idx in batches[ctx.dp_rank :: ctx.dp_size])
         nll, ntok = loss_sums(model, mine, cfg, cast)
