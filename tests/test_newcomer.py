@@ -1,6 +1,6 @@
 """A newcomer's first day, end to end at a tiny size, through the real commands as a user types them:
 their own parallel text in a folder of their own, an encoding from their own installed package,
-prepare, train, evaluate, export to CTranslate2 and translate with it, and the Slurm job their cluster
+check, prepare, train, evaluate, export to CTranslate2 and translate with it, and the Slurm job their cluster
 needs (site options and a set-up file) rendered with --dry-run."""
 
 from __future__ import annotations
@@ -51,15 +51,16 @@ def test_a_newcomer_trains_their_corpus_with_their_encoding_and_exports_it(tmp_p
     en, de = sentences(360, seed=3)  # the user's own two text files ...
     (corpus / "all.en").write_text("\n".join(en) + "\n")
     (corpus / "all.de").write_text("\n".join(de) + "\n")
-    for lang, lines in (("en", en), ("de", de)):  # ... split as data.md lays them out
-        for split, part in (("train", lines[:300]), ("valid", lines[300:330]), ("test", lines[330:])):
+    for lang, lines in (("en", en), ("de", de)):  # ... split as own_corpus lays them out
+        for split, part in (("train", lines[:300]), ("validation", lines[300:330]), ("test", lines[330:])):
             (corpus / f"{split}.{lang}").write_text("\n".join(part) + "\n")
     env = env_with(install_good(tmp_path / "plugin"))  # their package: the encoding `scaled`
     config = [
-        "data.corpus=text",
         "data.path=corpora/mine",
-        "data.valid_split=valid",
+        "data.src_lang=en",
+        "data.tgt_lang=de",
         "data.vocab_size=120",
+        "data.num_proc=1",
         "data.max_tokens=512",
         "model.d_model=16",
         "model.ffn_dim=32",
@@ -68,19 +69,29 @@ def test_a_newcomer_trains_their_corpus_with_their_encoding_and_exports_it(tmp_p
         "model.decoder_layers=1",
         "model.position.kind=scaled",
         "train.max_steps=3",
+        "train.batch_tokens=0",
+        "train.warmup_steps=2",
+        "eval.average_last=2",  # the final model: the mean of the last two checkpoints
+        "train.save_every=1",
+        "train.keep_last=2",
         "train.valid_bleu_size=0",
         "train.progress=false",
         "eval.beam=1",
         "train.run_dir=runs/mine",
     ]
 
-    run([tpe("tpe-data"), "prepare", "--preset", "demo", *config], env, home)
-    train = run([tpe("tpe-train"), "--preset", "demo", *config], env, home)
+    checked = run([tpe("tpe-data"), "check", "--preset", "own_corpus", *config], env, home)
+    report = checked.stdout + checked.stderr
+    assert "found corpora/mine/train.en: 300 lines" in report and "no problems found" in report, report
+    run([tpe("tpe-data"), "prepare", "--preset", "own_corpus", *config], env, home)
+    train = run([tpe("tpe-train"), "--preset", "own_corpus", *config], env, home)
     assert "position scaled" in train.stdout + train.stderr
     checkpoint = home / "runs" / "mine" / "checkpoint"
     assert (checkpoint / "model.safetensors").is_file()
 
-    scored = run([tpe("tpe-eval"), "--checkpoint", str(checkpoint), "--json", "--limit", "10"], env, home)
+    averaged = home / "runs" / "mine" / "averaged-last2"  # the preset's final model
+    assert (averaged / "model.safetensors").is_file()
+    scored = run([tpe("tpe-eval"), "--checkpoint", str(averaged), "--json", "--limit", "10"], env, home)
     figures = json.loads(scored.stdout)
     assert figures["test_set"] == "test[:10]" and figures["test_sentences"] == 10
     assert 0 <= figures["bleu"] <= 100 and figures["chrf"] > 0
@@ -92,7 +103,7 @@ def test_a_newcomer_trains_their_corpus_with_their_encoding_and_exports_it(tmp_p
     assert refused.returncode != 0 and "'scaled'" in refused.stderr and "mypos" in refused.stderr
     sinusoidal = [*config[:-2], "model.position.kind=sinusoidal", "train.run_dir=runs/mine-sin"]
     sinusoidal.remove("model.position.kind=scaled")
-    run([tpe("tpe-train"), "--preset", "demo", *sinusoidal], env, home)
+    run([tpe("tpe-train"), "--preset", "own_corpus", *sinusoidal], env, home)
     run([tpe("tpe-ckpt"), "export", "runs/mine-sin/checkpoint", "--format", "ctranslate2", "--out", "ct2"],
         env, home)  # fmt: skip
     assert (home / "ct2" / "model.bin").is_file()
@@ -107,7 +118,7 @@ def test_a_newcomer_trains_their_corpus_with_their_encoding_and_exports_it(tmp_p
 
     # their cluster: a QOS, memory, a reservation, and the set-up their nodes need, in one job script
     (home / "setup.sh").write_text("module load cuda/12.4\nsource ~/venvs/tpe/bin/activate\n")
-    submit = [tpe("tpe-launch"), "submit", "--preset", "demo", "--nodes", "1", "--gpus-per-node", "2",
+    submit = [tpe("tpe-launch"), "submit", "--preset", "own_corpus", "--nodes", "1", "--gpus-per-node", "2",
               "--time", "4:00:00", "--qos", "normal", "--mem", "64G", "--sbatch", "reservation=lab",
               "--setup", "setup.sh", "--dry-run", *config]  # fmt: skip
     job = run(submit, env, home).stdout
