@@ -27,6 +27,7 @@ from launcher.plan import (
     Resources,
     batch_line,
     sweep_kind,
+    sweep_kinds,
     sweep_overrides,
 )
 from launcher.sbatch import CONFIG_ENV, DEFAULT_CPUS_PER_GPU, load_site
@@ -79,7 +80,13 @@ def submit_parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", default=None)
     p.add_argument("--account", default=None)
     p.add_argument("--time", default=None, help="time limit (minutes, HH:MM:SS, D-HH:MM:SS)")
-    p.add_argument("--array", default=None, help="sweep_positions: array indices (default 0-6, all kinds)")
+    p.add_argument(
+        "--kinds",
+        default=None,
+        help="sweep_positions: the encodings swept, array index -> kind, e.g. rope,alibi,mine (default: the "
+        "built-ins, then installed packages' encodings sorted by name)",
+    )
+    p.add_argument("--array", default=None, help="sweep_positions: array indices (default: every kind)")
     p.add_argument("--dependency", default=None, help="sbatch --dependency, e.g. afterok:1234")
     p.add_argument("--job-name", default=None)
     p.add_argument(
@@ -152,6 +159,7 @@ def run_parser() -> argparse.ArgumentParser:
     _resource_args(p)
     p.add_argument("--sweep", choices=["positions"], default=None, help="pick the encoding by array index")
     p.add_argument("--sweep-root", default=None, help="parent of the sweep's per-kind run directories")
+    p.add_argument("--kinds", default=None, help="the sweep's encodings, array index -> kind (a,b,c)")
     p.add_argument("--port", type=int, default=None, help="main process port (default: from the job id)")
     p.add_argument("--dry-run", action="store_true", help="print the command instead of running it")
     return p
@@ -182,7 +190,9 @@ def plan_from_args(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchPl
     if args.sweep == "positions":
         if not args.sweep_root:
             raise LaunchError("--sweep positions needs --sweep-root (the parent of the per-kind run dirs)")
-        overrides = sweep_overrides(overrides, sweep_kind(node.array_index), args.sweep_root)
+        overrides = sweep_overrides(
+            overrides, sweep_kind(node.array_index, sweep_kinds(args.kinds)), args.sweep_root
+        )
     return LaunchPlan(args.preset, overrides, res, layout, node)
 
 

@@ -28,7 +28,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 LAYOUT_DIR = ROOT / "configs" / "accelerate"
-#: array index -> kind (the newer encodings after the first seven, whose indices stay as they were)
+#: array index -> built-in kind (the newer encodings after the first seven, whose indices stay)
 POSITION_SWEEP = (
     "none",
     "sinusoidal",
@@ -44,6 +44,7 @@ POSITION_SWEEP = (
     "xpos",
     "cope",
 )
+PLUGIN_GROUP = "tpe_train.positions"  # entry points of the user's own encodings (tpe_train.config.plugins)
 PORT_BASE, PORT_SPAN = 20000, 10000  # job ports: 20000 + job id % 10000, below the ephemeral range
 LOCAL_PORT = 0  # outside Slurm: accelerate picks a free port
 
@@ -266,16 +267,39 @@ def first_host(nodelist: str, hostnames: Callable[[str], list[str]] | None = Non
     return m.group(1) + (m.group(2) or "")
 
 
-def sweep_kind(index: int | None) -> str:
-    """The position encoding of array element ``index`` of the position sweep."""
+def position_sweep() -> tuple[str, ...]:
+    """The default position sweep, array index -> kind: the built-ins in their fixed order, then the
+    encodings of installed packages (``tpe_train.positions`` entry points) sorted by name. Read from the
+    entry points' names, without importing them (their checks come with the config's)."""
+    from importlib.metadata import entry_points
+
+    plugins = {ep.name for ep in entry_points(group=PLUGIN_GROUP)} - set(POSITION_SWEEP)
+    return POSITION_SWEEP + tuple(sorted(plugins))
+
+
+def sweep_kinds(spec: str | None) -> tuple[str, ...]:
+    """``--kinds a,b,c`` (the sweep's encodings, array index -> kind), or the default sweep."""
+    if spec is None:
+        return position_sweep()
+    kinds = tuple(k.strip() for k in spec.split(","))
+    if not all(kinds) or len(set(kinds)) != len(kinds):
+        raise LaunchError(
+            f"--kinds {spec!r}: give distinct encoding names separated by commas, e.g. rope,alibi"
+        )
+    return kinds
+
+
+def sweep_kind(index: int | None, kinds: tuple[str, ...] | None = None) -> str:
+    """The position encoding of array element ``index`` of the position sweep ``kinds`` (default: the
+    default sweep)."""
+    kinds = position_sweep() if kinds is None else kinds
     if index is None:
         raise LaunchError("--sweep positions needs SLURM_ARRAY_TASK_ID: submit it as a job array")
-    if not 0 <= index < len(POSITION_SWEEP):
+    if not 0 <= index < len(kinds):
         raise LaunchError(
-            f"array index {index} is outside the position sweep 0-{len(POSITION_SWEEP) - 1} "
-            f"({' '.join(POSITION_SWEEP)})"
+            f"array index {index} is outside the position sweep 0-{len(kinds) - 1} ({' '.join(kinds)})"
         )
-    return POSITION_SWEEP[index]
+    return kinds[index]
 
 
 def override_keys(overrides: list[str]) -> set[str]:

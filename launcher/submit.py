@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from launcher.plan import (
-    POSITION_SWEEP,
     ROOT,
     LaunchError,
     LaunchFile,
@@ -28,6 +27,7 @@ from launcher.plan import (
     Resources,
     batch_line,
     override_keys,
+    sweep_kinds,
     sweep_overrides,
 )
 from launcher.sbatch import SiteOptions, check_name, option_line, sbatch_value
@@ -121,6 +121,7 @@ class SubmitArgs:
     account: str | None = None
     time: str | None = None
     array: str | None = None
+    kinds: str | None = None  # sweep_positions: a,b,c (default: plan.position_sweep())
     dependency: str | None = None
     job_name: str | None = None
     signal_before: int = 300
@@ -160,14 +161,15 @@ def _config_run_dir(preset: str, overrides: list[str]) -> tuple[Path, str, int]:
     return cfg.run_dir(), check_name("preset name", cfg.preset), cfg.train.seed
 
 
-def _validate_sweep_kinds(preset: str, overrides: list[str], kinds: list[str]) -> None:
+def _validate_sweep_kinds(preset: str, overrides: list[str], kinds: list[str], chosen: bool) -> None:
     from tpe_train.config import ConfigError, load_config
 
     for kind in kinds:
         try:
             load_config(preset, [*overrides, f"model.position.kind={kind}"])
         except ConfigError as err:
-            raise LaunchError(f"sweep element {kind}: {err}") from None
+            hint = "" if chosen else " (or choose the encodings the sweep runs with --kinds a,b,c)"
+            raise LaunchError(f"sweep element {kind}: {err}{hint}") from None
 
 
 def _cpus_per_task(args: SubmitArgs, res: Resources) -> int | None:
@@ -217,6 +219,8 @@ def build(args: SubmitArgs) -> Submission:
             "--array applies to --script sweep_positions (its index picks the position encoding); "
             "a plain training job is one run"
         )
+    if args.kinds is not None and args.script != "sweep_positions":
+        raise LaunchError("--kinds applies to --script sweep_positions (the encodings it sweeps)")
     workdir = args.workdir.resolve()
     bin_dir = Path(sys.executable).parent
     values = {
@@ -251,20 +255,21 @@ def build(args: SubmitArgs) -> Submission:
         name = args.job_name or f"tpe-{preset_name}"
         node_overrides = overrides
     else:
-        indices = array_indices(args.array or f"0-{len(POSITION_SWEEP) - 1}")
-        bad = [i for i in indices if not 0 <= i < len(POSITION_SWEEP)]
+        sweep = sweep_kinds(args.kinds)
+        indices = array_indices(args.array or f"0-{len(sweep) - 1}")
+        bad = [i for i in indices if not 0 <= i < len(sweep)]
         if bad:
             raise LaunchError(
                 f"--array {args.array} names index {bad[0]}, outside the position sweep "
-                f"0-{len(POSITION_SWEEP) - 1} ({' '.join(POSITION_SWEEP)})"
+                f"0-{len(sweep) - 1} ({' '.join(sweep)})"
             )
         clash = override_keys(overrides) & {"model.position.kind"}
         if clash:
             raise LaunchError(
                 "the position sweep sets model.position.kind itself; drop it from the overrides"
             )
-        kinds = [POSITION_SWEEP[i] for i in indices]
-        _validate_sweep_kinds(args.preset, overrides, kinds)
+        kinds = [sweep[i] for i in indices]
+        _validate_sweep_kinds(args.preset, overrides, list(sweep) if args.kinds else kinds, bool(args.kinds))
         _, preset_name, seed = _config_run_dir(args.preset, overrides)
         rd = [o.partition("=")[2] for o in overrides if o.partition("=")[0].strip() == "train.run_dir"]
         root = Path(args.sweep_root or (rd[-1] if rd else f"runs/{preset_name}-positions-s{seed}"))
@@ -274,7 +279,9 @@ def build(args: SubmitArgs) -> Submission:
             sub.run_dirs[f"run dir [{i}] {kind}"] = root / kind
         sub.log = str(root / "slurm-%A_%a.out")
         sub.tensorboard = root
-        values["array"] = sbatch_value("--array", args.array or f"0-{len(POSITION_SWEEP) - 1}")
+        values["array"] = sbatch_value("--array", args.array or f"0-{len(sweep) - 1}")
+        values["kinds"] = " ".join(f"{i} {kind}" for i, kind in enumerate(sweep))
+        run_flags += ["--kinds", ",".join(sweep)]  # the job maps its index as submitted
         values["sweep_root"] = values["status_dir"] = shlex.quote(str(root))
         name = args.job_name or f"tpe-sweep-{preset_name}"
         node_overrides = sweep_overrides(overrides, "<kind>", root)

@@ -166,3 +166,12 @@ def test_a_written_directory_appears_only_complete_and_a_failure_keeps_the_old_o
         (tmp / "b").write_text("3")
     assert sorted(p.name for p in out.iterdir()) == [MARKER, "b"]  # replaced whole, not merged
     assert sorted(p.name for p in tmp_path.iterdir()) == ["export"]  # no temporary or old copies left
+
+
+def test_a_zero_dimensional_tensor_is_written_and_read_back(tmp_path: Path) -> None:
+    """A scalar parameter (a learned gain, as an encoding of the user's own package may hold)."""
+    gain = torch.tensor(1.25)
+    held = [Holding(Region.whole("gain", ()), gain.reshape(-1))]
+    index = save(tmp_path, {0: held})
+    got = read_tensor(tmp_path, index, "gain")
+    assert got.shape == () and torch.equal(got, gain)

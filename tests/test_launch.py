@@ -19,6 +19,7 @@ from support.slurm_cluster import SlurmCluster, require_slurm, slurm_requested, 
 
 from launcher.cli import main
 from launcher.plan import (
+    PLUGIN_GROUP,
     POSITION_SWEEP,
     ROOT,
     LaunchError,
@@ -29,9 +30,11 @@ from launcher.plan import (
     first_host,
     job_port,
     sweep_kind,
+    sweep_kinds,
     sweep_overrides,
 )
 from launcher.submit import array_indices, render, time_seconds
+from tpe_train.config import plugins
 from tpe_train.positions import POSITIONS
 from tpe_train.run.exits import EXIT_PREEMPTED
 
@@ -174,6 +177,11 @@ def test_position_sweep_covers_every_registered_encoding() -> None:
         sweep_kind(len(POSITION_SWEEP))
     with pytest.raises(LaunchError, match="SLURM_ARRAY_TASK_ID"):
         sweep_kind(None)
+    assert sweep_kind(1, ("rope", "alibi")) == "alibi"
+    for bad in ("rope,,alibi", "rope,rope", ""):
+        with pytest.raises(LaunchError, match="distinct encoding names"):
+            sweep_kinds(bad)
+    assert PLUGIN_GROUP == plugins.GROUP  # the launcher reads the names the config loads
     assert sweep_overrides(["train.max_steps=4"], "t5", "/r") == [
         "train.max_steps=4",
         "model.position.kind=t5",
@@ -265,6 +273,20 @@ def test_dry_run_4_nodes_x_8_gpus(capsys: pytest.CaptureFixture[str], tmp_path: 
     # what the batch script runs on each node is the same plan, from SLURM_* at run time
     run_line = out.split("tpe-launch run ", 1)[1].splitlines()[0]
     assert "--nodes 4" in run_line and "--gpus-per-node 8" in run_line and "--procs-per-node 8" in run_line
+
+
+def test_sweep_kinds_pick_the_array_and_go_to_the_job(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    kinds = ["--script", "sweep_positions", "--kinds", "rope,alibi"]
+    out = dry_run([*kinds, "--sweep-root", str(tmp_path)], capsys)
+    assert "#SBATCH --array=0-1" in out and "#   0 rope 1 alibi" in out
+    assert "--kinds rope,alibi" in out and f"# run dir [1] alibi: {tmp_path / 'alibi'}" in out
+    # a kind that is no encoding, even outside --array: refused before anything is written
+    assert main(["submit", *kinds[:3], "rope,nope", "--array", "0", "--dry-run"]) == 2
+    assert "sweep element nope" in capsys.readouterr().err
+    assert main(["submit", "--kinds", "rope", "--dry-run"]) == 2
+    assert "--kinds applies to --script sweep_positions" in capsys.readouterr().err
 
 
 def test_dry_run_cpu_sweep_and_eval(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:

@@ -77,6 +77,7 @@ from tpe_train.ckpt.export import KINDS
 from tpe_train.ckpt.rundir import TOKENIZER, RunDir
 from tpe_train.ckpt.store import CheckpointError
 from tpe_train.config import Config
+from tpe_train.config.plugins import export_refusal
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.data.tokenizer import BOS, EOS, PAD, UNK
 from tpe_train.model.generate import length_penalty, max_lengths
@@ -140,6 +141,9 @@ def check_exportable(model: Transformer, tok: Tokenizer, quantization: str) -> N
                 f"{UNREPRESENTED[kind]}; exportable: {', '.join(REPRESENTED)}"
             )
         if kind not in REPRESENTED:
+            refusal = export_refusal(kind, "CTranslate2", "; ".join(REPRESENTED.values()))
+            if refusal is not None:
+                raise CheckpointError(f"the {side}: {refusal}")
             raise CheckpointError(
                 f"the {side}'s position encoding {kind!r} has no CTranslate2 form here; exportable: "
                 f"{', '.join(REPRESENTED)}"

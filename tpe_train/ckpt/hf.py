@@ -62,6 +62,7 @@ from tpe_train.ckpt.export import KINDS
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.ckpt.store import CheckpointError
 from tpe_train.config import Config
+from tpe_train.config.plugins import export_refusal
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.data.tokenizer import BOS, EOS, PAD, UNK, vocab_hash
 from tpe_train.model.args import ModelArgs
@@ -104,6 +105,9 @@ def hf_target(args: ModelArgs) -> Target:
             f"cross-attention {cross}): the exportable models use one encoding in both stacks and none in "
             "cross-attention; export it as --format native"
         )
+    refusal = export_refusal(enc, "transformers", "a sinusoid or a learned absolute table")
+    if enc not in ("sinusoidal", "learned", "none") and refusal is not None:
+        raise CheckpointError(refusal)
     if enc in _RELATIVE_WHY:
         raise CheckpointError(
             f"model.position.kind={enc} cannot be exported to transformers exactly: {_RELATIVE_WHY[enc]}. "

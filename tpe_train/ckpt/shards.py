@@ -145,7 +145,9 @@ def write_safetensors(
         for (key, tensor), expected in zip(items, shapes, strict=True):
             assert key == expected and tuple(tensor.shape) == shapes[key], (key, expected)
             data = tensor.detach().to("cpu", dtype).contiguous()
-            _emit(f, digest, data.view(torch.uint8).numpy().data if data.numel() else b"")
+            _emit(
+                f, digest, data.reshape(-1).view(torch.uint8).numpy().data if data.numel() else b""
+            )  # 0-d too
         f.flush()
         os.fsync(f.fileno())
     return {"size": path.stat().st_size, "sha256": digest.hexdigest()}
@@ -216,7 +218,7 @@ class ShardFile:
         out = torch.empty(rows, dtype=dtype)
         width = out.element_size()
         self.file.seek(self.base + info["data_offsets"][0] + start * width)
-        got = self.file.readinto(out.view(torch.uint8).numpy().data) if count else 0
+        got = self.file.readinto(out.reshape(-1).view(torch.uint8).numpy().data) if count else 0
         if got != count * width:
             raise ShardError(f"{self.path} ends inside tensor {key}; the file is truncated")
         if not shape:

@@ -13,6 +13,7 @@ number, finite numbers, seeds in numpy's range, ascending buckets) and what each
 (``python -m tpe_train.config``). Everything is importable from here.
 """
 
+from tpe_train.config import plugins  # the user's own encodings, read at the first lookup
 from tpe_train.config.loading import (
     PRESET_DIR,
     format_errors,
@@ -56,6 +57,7 @@ __all__ = [
     "load_config",
     "markdown_reference",
     "parse_overrides",
+    "plugins",
     "preset_path",
     "validate",
 ]

@@ -99,6 +99,9 @@ class PositionConfig(Section):
     def _known(self) -> PositionConfig:
         for key in ("kind", "cross"):
             name = getattr(self, key)
+            broken = POSITIONS.broken(name)  # an installed package's encoding that failed to load
+            if broken is not None and name not in POSITIONS:
+                raise ValueError(f"model.position.{key}={name!r}: {broken}")
             if name not in POSITIONS:
                 raise ValueError(
                     f"model.position.{key}={name!r} is not a position encoding; choose one of: "

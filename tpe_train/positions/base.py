@@ -90,6 +90,9 @@ class PositionEncoding(nn.Module):
     tp_split: ClassVar[str] = "replicated"
     #: training-time position augmentations this encoding applies (``positions/augment.py``)
     augments: ClassVar[tuple[str, ...]] = ()
+    #: why this encoding has no exported form (CTranslate2, transformers): the exporters' refusal quotes
+    #: it (an encoding of the user's own package may say what it would take); None: the default reason
+    export_note: ClassVar[str | None] = None
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()

@@ -296,14 +296,15 @@ def _submit_args(slurm_args: list[str]) -> SubmitArgs:
 
 
 def _sweep_index(kind: str) -> int:
-    from launcher.plan import POSITION_SWEEP
+    from launcher.plan import position_sweep
 
-    if kind not in POSITION_SWEEP:
+    sweep = position_sweep()  # the built-ins, then the installed packages' encodings
+    if kind not in sweep:
         raise StudyError(
             f"tpe-launch's position sweep has no array index for {kind!r} (it sweeps "
-            f"{' '.join(POSITION_SWEEP)}); run this setting locally"
+            f"{' '.join(sweep)}); run this setting locally"
         )
-    return POSITION_SWEEP.index(kind)
+    return sweep.index(kind)
 
 
 def _submit(args: SubmitArgs, dry_run: bool) -> tuple[str, str]:
