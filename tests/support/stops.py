@@ -73,12 +73,12 @@ def instrumented(stops: Stops) -> Iterator[Stops]:
             stops.hit(f"os.open {path}")
         return real_os_open(path, flags, *args, **kw)
 
-    builtins.open = open_  # type: ignore[assignment]
+    builtins.open = open_
     pathlib.Path.open = path_open  # type: ignore[method-assign]
-    os.open = os_open  # type: ignore[assignment]
+    os.open = os_open
     for name, fn in real.items():
         setattr(os, name, named(f"os.{name}", fn))
-    outputs._exchange = named("renameat2", real_exchange)  # type: ignore[assignment]
+    outputs._exchange = named("renameat2", real_exchange)
     try:
         yield stops
     finally:
@@ -87,4 +87,4 @@ def instrumented(stops: Stops) -> Iterator[Stops]:
         os.open = real_os_open
         for name, fn in real.items():
             setattr(os, name, fn)
-        outputs._exchange = real_exchange  # type: ignore[assignment]
+        outputs._exchange = real_exchange
