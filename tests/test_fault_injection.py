@@ -114,6 +114,7 @@ def saver(trained: Trained, step: int) -> Callable[[], Path]:
     return lambda: trained.checkpointer.save(dataclasses.replace(trained.progress, step=step), wait=True)
 
 
+@pytest.mark.slow  # a short training, 2 x 23 saves and a resume
 def test_a_checkpoint_save_stopped_at_any_write_keeps_the_newest_and_resumes(trained: Trained) -> None:
     root = trained.run_dir / "checkpoints"
     n = trained.save_points
@@ -184,11 +185,13 @@ def test_a_checkpoint_save_killed_at_any_write_keeps_the_newest_and_resumes(
         assert newest(root) in (before, root / "step-00000003")
         if newest(root) != before:
             verify_all(newest(root))
-    proc = child(0, tmp_path / f"killed-{spread[-1]}", trained.cfg, max_steps=4)  # the next run goes on
+    again = tmp_path / f"killed-{spread[-2]}"  # killed midway: the next run cleans up and goes on
+    proc = child(0, again, trained.cfg, max_steps=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    root = tmp_path / f"killed-{spread[-1]}" / "checkpoints"
+    root = again / "checkpoints"
     assert newest(root) == root / "step-00000004"
     verify_all(newest(root))
+    assert [p.name for p in root.iterdir() if p.name.startswith(".tmp-")] == []
     log.info("checkpoint save killed at stop points %s of %d", spread, n)
 
 
