@@ -40,7 +40,7 @@ TINY = [
     "data.synthetic.train_size=200", "data.synthetic.test_size=10", "data.synthetic.valid_size=10",
     "data.synthetic.long_size=4", "data.synthetic.probe_size=4", "data.vocab_size=100", "eval.at_end=false",
     "train.valid_bleu_size=0", "train.valid_every=100", "train.progress=false", "train.threads=1",
-    "train.diagnostics_every=0", "train.save_every=1", "train.keep_last=100", "model.d_model=16",
+    "train.diagnostics_every=0", "train.save_every=1", "train.keep_last=2", "model.d_model=16",
     "model.n_heads=2", "model.ffn_dim=32", "model.encoder_layers=1", "model.decoder_layers=1",
 ]  # fmt: skip
 
@@ -62,16 +62,26 @@ def newest(root: Path) -> Path:
 
 def stop_points(write: Callable[[], Any]) -> int:
     """How many stop points ``write`` passes when nothing stops it."""
+    return len(stop_names(write))
+
+
+def stop_names(write: Callable[[], Any]) -> list[str]:
+    """The stop points ``write`` passes when nothing stops it, in order."""
     with instrumented(Stops()) as stops:
         write()
     assert stops.count > 0
-    return stops.count
+    return stops.points
 
 
 def stopped(write: Callable[[], Any], k: int, expected: type[BaseException] = Stopped) -> None:
     """Run ``write`` failing at its k-th stop point; it must report the failure."""
     with pytest.raises(expected), instrumented(Stops(stop_at=k)):
         write()
+
+
+def deleting(point: str) -> bool:
+    """A stop point inside a deletion that ignores its errors (pruning an old checkpoint)."""
+    return point.startswith(("os.unlink", "os.rmdir"))
 
 
 # -- the checkpoint: a real tiny run, its Checkpointer then saving further steps in this process --
@@ -84,7 +94,7 @@ class Trained:
     pristine: Path  # the run directory as training left it (two checkpoints), for the child processes
     checkpointer: Checkpointer
     progress: startup.Progress
-    save_points: int  # stop points of one save
+    save_points: list[str]  # the stop points of one save
 
 
 @pytest.fixture(scope="module")
@@ -106,7 +116,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Trained]:
     shutil.copytree(run_dir, pristine)
     run = runs[0]
     progress = dataclasses.replace(run.progress, step=3)
-    points = stop_points(lambda: run.checkpointer.save(progress, wait=True))
+    points = stop_names(lambda: run.checkpointer.save(progress, wait=True))
     yield Trained(cfg, run_dir, pristine, run.checkpointer, run.progress, points)
 
 
@@ -117,13 +127,18 @@ def saver(trained: Trained, step: int) -> Callable[[], Path]:
 @pytest.mark.slow  # a short training, 2 x 23 saves and a resume
 def test_a_checkpoint_save_stopped_at_any_write_keeps_the_newest_and_resumes(trained: Trained) -> None:
     root = trained.run_dir / "checkpoints"
-    n = trained.save_points
+    n = len(trained.save_points)
     for k in range(1, n + 1):
         before = newest(root)
         kept = tree(before)
         step = 10 + k
         save = saver(trained, step)
-        stopped(save, k, CheckpointError)
+        if deleting(trained.save_points[k - 1]):  # the save is done; its pruning stops halfway
+            with instrumented(Stops(stop_at=k)) as stops:
+                save()
+            assert stops.count >= k
+        else:
+            stopped(save, k, CheckpointError)
         now = newest(root)
         assert now == before or now.name == f"step-{step:08d}", f"stop point {k}: {now}"
         verify_all(before)
@@ -133,6 +148,8 @@ def test_a_checkpoint_save_stopped_at_any_write_keeps_the_newest_and_resumes(tra
         assert save() == root / f"step-{step:08d}"
         assert newest(root) == root / f"step-{step:08d}"
         verify_all(newest(root))
+        left = sorted(p.name for p in root.iterdir() if p.is_dir())
+        assert len(left) == 2 and not any(name.startswith(".") for name in left), f"stop point {k}: {left}"
     log.info("checkpoint save: %d stop points", n)
     last = 10 + n
     loop.run(load_config("demo", [*trained.cfg, "train.resume=auto", f"train.max_steps={last + 1}"]))
@@ -170,9 +187,12 @@ def child(k: int, run_dir: Path, cfg: list[str], max_steps: int) -> subprocess.C
 def test_a_checkpoint_save_killed_at_any_write_keeps_the_newest_and_resumes(
     trained: Trained, tmp_path: Path
 ) -> None:
-    n = trained.save_points
+    n = len(trained.save_points)
     kept = tree(trained.pristine / "checkpoints" / "step-00000002")
-    spread = sorted({1, max(1, n // 3), max(1, 2 * n // 3), n})
+    points = trained.save_points
+    publish = next(i for i, p in enumerate(points, 1) if p.startswith("os.rename") and ".tmp-step-" in p)
+    pruning = next(i for i, p in enumerate(points, 1) if deleting(p)) + 1  # the old checkpoint half gone
+    spread = sorted({1, n // 3, publish, pruning, n})
     for k in spread:
         run_dir = tmp_path / f"killed-{k}"
         shutil.copytree(trained.pristine, run_dir)
@@ -185,7 +205,7 @@ def test_a_checkpoint_save_killed_at_any_write_keeps_the_newest_and_resumes(
         assert newest(root) in (before, root / "step-00000003")
         if newest(root) != before:
             verify_all(newest(root))
-    again = tmp_path / f"killed-{spread[-2]}"  # killed midway: the next run cleans up and goes on
+    again = tmp_path / f"killed-{n // 3}"  # killed midway: the next run cleans up and goes on
     proc = child(0, again, trained.cfg, max_steps=4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     root = again / "checkpoints"
@@ -212,7 +232,8 @@ def test_an_export_stopped_at_any_write_keeps_the_old_one_or_is_the_new_one_whol
 
     out = tmp_path / "exports" / "model"
     export(out, 0)()
-    n = stop_points(export(tmp_path / "count" / "model", 1))
+    export(tmp_path / "count" / "model", 0)()
+    n = stop_points(export(tmp_path / "count" / "model", 1))  # replacing one, as below
     for k in range(1, n + 1):
         before = tree(out)
         export(tmp_path / f"ref-{k}" / "model", k)()

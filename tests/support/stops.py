@@ -48,7 +48,7 @@ def _writes(mode: Any) -> bool:
 def instrumented(stops: Stops) -> Iterator[Stops]:
     """While inside, every write, sync, rename and swap of this process passes ``stops.hit`` first."""
     real_open, real_path_open, real_os_open = builtins.open, pathlib.Path.open, os.open
-    real = {name: getattr(os, name) for name in ("fsync", "replace", "rename")}
+    real = {name: getattr(os, name) for name in ("fsync", "replace", "rename", "unlink", "rmdir")}
     real_exchange = outputs._exchange
 
     def named(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
