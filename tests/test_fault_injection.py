@@ -124,7 +124,7 @@ def saver(trained: Trained, step: int) -> Callable[[], Path]:
     return lambda: trained.checkpointer.save(dataclasses.replace(trained.progress, step=step), wait=True)
 
 
-@pytest.mark.slow  # a short training, 2 x 23 saves and a resume
+@pytest.mark.slow  # a short training, two saves per stop point and a resume
 def test_a_checkpoint_save_stopped_at_any_write_keeps_the_newest_and_resumes(trained: Trained) -> None:
     root = trained.run_dir / "checkpoints"
     n = len(trained.save_points)
