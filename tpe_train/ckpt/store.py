@@ -129,6 +129,8 @@ def inspect(path: Path) -> Entry:
     m = _STEP_DIR.match(path.name)
     step = int(m.group(1)) if m else -1
     size = members.tree_size(path)
+    if path.name.startswith(".tmp-"):  # complete or not, never renamed into place (or being pruned)
+        return Entry(path, step, False, "a temporary of a save or a pruning that stopped", size, {})
     if members.lstat_regular(path / MANIFEST) is None:
         return Entry(path, step, False, "no manifest (the save did not finish)", size, {})
     try:
@@ -364,5 +366,10 @@ def prune(root: Path, keep_last: int, keep_every: int, keep_steps: tuple[int, ..
                 e.reason,
             )
     for path in removed:
-        shutil.rmtree(path, ignore_errors=True)
+        # Out of the way in one rename first: a stop halfway through the deletion leaves a temporary
+        # that the next pruning removes, not a half-deleted step-* that pruning would have to keep.
+        doomed = path if path.name.startswith(".tmp-") else path.with_name(f".tmp-pruned-{path.name}")
+        if doomed != path:
+            path.rename(doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
     return removed
