@@ -312,6 +312,34 @@ def test_an_export_file_of_random_bytes_gives_a_checkpoint_error(
         outcome(lambda: export.load_export(out), CKPT_ERRORS)
 
 
+@pytest.mark.parametrize("where", ["manifest", "index", "meta"])
+def test_a_file_name_holding_a_lone_surrogate_is_refused_before_any_open(made: Path, where: str) -> None:
+    """JSON can escape a lone surrogate (``"\\ud800"``), which no file name can hold: the readers refuse
+    the name as they refuse ``..``, rather than fail inside ``os.open`` with ``UnicodeEncodeError``."""
+    bad = "model\ud800.safetensors"
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = _scratch(made, tmp)
+        out = Path(tmp) / "checkpoint"
+        shutil.copytree(made / "checkpoint", out)
+        if where == "manifest":
+            manifest = json.loads((ckpt / store.MANIFEST).read_text())
+            manifest["files"][bad] = {"size": 1, "sha256": "0" * 64}
+            (ckpt / store.MANIFEST).write_text(json.dumps(manifest))
+        elif where == "index":
+            index = json.loads((ckpt / shards.INDEX).read_text())
+            next(iter(index["tensors"].values()))["chunks"][0]["file"] = bad
+            forge(ckpt, shards.INDEX, json.dumps(index).encode(), store.MANIFEST)
+        else:
+            meta = json.loads((out / export.META).read_text())
+            meta["sha256"][bad] = "0" * 64
+            (out / export.META).write_text(json.dumps(meta))
+        read = (lambda: export.load_export(out)) if where == "meta" else (lambda: read_checkpoint(ckpt))
+        with pytest.raises(CKPT_ERRORS) as caught:
+            read()
+        assert type(caught.value) in CKPT_ERRORS
+        assert "lone surrogate" in str(caught.value)
+
+
 def test_the_example_count_is_what_the_docs_say() -> None:
     """docs/reliability.md states the number of random examples these tests run."""
     docs = (Path(__file__).parents[1] / "docs" / "reliability.md").read_text()
