@@ -32,6 +32,7 @@ from tpe_train.ckpt.errors import CheckpointError, UnknownFormat
 from tpe_train.config import ConfigError
 from tpe_train.data.check import scan_file
 from tpe_train.data.errors import CorpusError
+from tpe_train.data.sources import SourceSpec, load_split
 from tpe_train.data.textfiles import check_aligned, count_lines, line_pairs, raw_lines
 from tpe_train.run.members import MemberError
 
@@ -56,10 +57,12 @@ TINY = [
 ]
 CORPUS_EXAMPLES = 150
 PAIR_EXAMPLES = 60
+PARQUET_EXAMPLES = 30
 FILE_EXAMPLES = 40  # per checkpoint or export file
 CKPT_FILES = ("manifest.json", "index.json", "trainer.json", "config.yaml", "tokenizer.json", "latest")
 EXPORT_FILES = ("meta.json", "config.yaml", "tokenizer.json", "model.safetensors")
-EXAMPLES = CORPUS_EXAMPLES + PAIR_EXAMPLES + FILE_EXAMPLES * (len(CKPT_FILES) + 1 + len(EXPORT_FILES))
+FILES = len(CKPT_FILES) + 1 + len(EXPORT_FILES)  # with the safetensors header
+EXAMPLES = CORPUS_EXAMPLES + PAIR_EXAMPLES + PARQUET_EXAMPLES + FILE_EXAMPLES * FILES
 CKPT_ERRORS = (CheckpointError, shards.ShardError, UnknownFormat, MemberError, ConfigError)
 
 
@@ -204,6 +207,47 @@ def test_a_pair_of_random_sides_reads_aligned_or_gives_a_corpus_error(
             assert all(isinstance(p["src"], str) and isinstance(p["tgt"], str) for p in pairs)
 
         outcome(read, (CorpusError,))
+
+
+def _parquet_bytes() -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"src": ["ein haus", "die katze"], "tgt": ["a house", "the cat"]}), sink)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+PARQUET = _parquet_bytes()
+
+
+@st.composite
+def damaged_parquet(draw: st.DrawFn) -> bytes:
+    """A real parquet file cut short, with bytes overwritten, or random bytes between the magic."""
+    how = draw(st.sampled_from(["cut", "overwrite", "magic"]))
+    if how == "cut":
+        return PARQUET[: draw(st.integers(0, len(PARQUET) - 1))]
+    if how == "overwrite":
+        at = draw(st.integers(0, len(PARQUET) - 1))
+        patch = draw(st.binary(min_size=1, max_size=12))
+        return PARQUET[:at] + patch + PARQUET[at + len(patch) :]
+    return b"PAR1" + draw(raw) + b"PAR1"
+
+
+@fuzz(PARQUET_EXAMPLES)
+@given(data=raw | damaged_parquet())
+@example(data=PARQUET)  # the real file reads
+def test_a_parquet_split_of_random_bytes_reads_or_gives_a_corpus_error(data: bytes) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "train-00000-of-00001.parquet").write_bytes(data)
+        spec = SourceSpec(kind="parquet", src_lang="de", tgt_lang="en", path=tmp, cache_dir=f"{tmp}/cache")
+
+        def read() -> None:
+            ds = load_split(spec, "train")
+            assert ds.column_names == ["src", "tgt"] and all(isinstance(s, str) for s in ds["src"])
+
+        result = outcome(read, (CorpusError,))
+        assert result == "read" or data != PARQUET
 
 
 # -- a real checkpoint and its export ------------------------------------------------------------------
