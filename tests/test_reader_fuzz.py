@@ -24,12 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
 from tpe_train.ckpt import export, shards, state, store
 from tpe_train.ckpt.errors import CheckpointError, UnknownFormat
-from tpe_train.config import ConfigError
+from tpe_train.config import Config, ConfigError, validate
 from tpe_train.data.check import scan_file
 from tpe_train.data.errors import CorpusError
 from tpe_train.data.sources import SourceSpec, load_split
@@ -258,7 +259,12 @@ def made(tmp_path_factory: pytest.TempPathFactory) -> Path:
     cmd += [f"train.run_dir={root / 'run'}", f"data.store_dir={root / 'store'}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    global RUN_CONFIG
+    RUN_CONFIG = validate(yaml.safe_load((root / "run" / "config.yaml").read_text()))
     return root / "run"
+
+
+RUN_CONFIG = Config()  # the made run's, for the resume's comparison
 
 
 def forge(folder: Path, name: str, data: bytes, listing: str) -> None:
@@ -277,6 +283,7 @@ def forge(folder: Path, name: str, data: bytes, listing: str) -> None:
 def read_checkpoint(ckpt: Path) -> None:
     """What a resume, ``tpe-ckpt list`` and an offline export read of a checkpoint."""
     entry = store.inspect(ckpt)
+    store.check_compatible(ckpt, RUN_CONFIG)
     store.latest_named(ckpt.parent)
     store.verify_all(ckpt)
     state.read_trainer(ckpt)

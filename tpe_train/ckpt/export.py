@@ -15,14 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from tpe_train.ckpt.rundir import CONFIG, EVAL, TOKENIZER, RunDir
 from tpe_train.ckpt.shards import read_index, read_tensor, write_safetensors
-from tpe_train.ckpt.store import TRAINER, CheckpointError, entries, sha256, verify
+from tpe_train.ckpt.store import TRAINER, CheckpointError, entries, read_yaml, sha256, verify
 from tpe_train.config import Config, ConfigError, validate
 from tpe_train.data.batching import model_args
 from tpe_train.data.tokenizer import vocab_hash
@@ -158,11 +157,7 @@ def _load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
 
 def read_setup(directory: Path) -> tuple[Config, Tokenizer]:
     """The config and the tokenizer of a checkpoint or an export, read as files of that folder."""
-    text = members.read_text(directory, CONFIG, error=CheckpointError)
-    try:
-        loaded = yaml.safe_load(text)
-    except (yaml.YAMLError, RecursionError) as err:
-        raise CheckpointError(f"{directory / CONFIG} is not YAML ({str(err)[:200]}); {members.FIX}") from None
+    loaded = read_yaml(directory, CONFIG)
     try:
         cfg = validate(loaded)
     except ConfigError as err:
