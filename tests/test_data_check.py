@@ -138,3 +138,13 @@ def test_the_command_exits_1_on_a_problem_and_0_without(tmp_path: Path) -> None:
     assert bad.returncode == 1 and "Traceback" not in bad.stderr
     assert "test.en and" in bad.stderr
     assert "test.de: 1 line against 2: the sides are not line-aligned" in bad.stderr
+
+
+def test_a_damaged_gzip_side_is_a_problem_naming_the_file(tmp_path: Path) -> None:
+    root = _write(tmp_path / "c", GOOD)
+    whole = (root / "train.de.gz").read_bytes()
+    (root / "train.de.gz").write_bytes(whole[:-6])  # cut short: the stream has no end
+    report = check_corpus(_cfg(root))
+    (problem,) = [p for p in report.problems if p.where == str(root / "train.de.gz")]
+    assert problem.stops and "not a whole gzip file" in problem.what and "gzip -t" in problem.fix
+    assert report.train_pairs == 0  # the split is not counted

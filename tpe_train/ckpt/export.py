@@ -15,13 +15,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import yaml
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from tokenizers import Tokenizer
 
 from tpe_train.ckpt.rundir import CONFIG, EVAL, TOKENIZER, RunDir
 from tpe_train.ckpt.shards import read_index, read_tensor, write_safetensors
-from tpe_train.ckpt.store import TRAINER, CheckpointError, entries, sha256, verify
+from tpe_train.ckpt.store import TRAINER, CheckpointError, entries, read_yaml, sha256, verify
 from tpe_train.config import Config, ConfigError, validate
 from tpe_train.data.batching import model_args
 from tpe_train.data.tokenizer import vocab_hash
@@ -138,10 +138,16 @@ def _load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
             "with (hash differs); restore the checkpoint's own tokenizer.json"
         )
     model = build_model(model_args(cfg.model, tok.get_vocab_size()))
-    state = load_file(str(members.check_file(directory, WEIGHTS, error=CheckpointError)))
-    result = model.load_state_dict(state, strict=False)
+    try:
+        state = load_file(str(members.check_file(directory, WEIGHTS, error=CheckpointError)))
+        result = model.load_state_dict(state, strict=False)
+    except (SafetensorError, RuntimeError) as err:  # not safetensors; tensors of other shapes or types
+        raise CheckpointError(
+            f"{directory / WEIGHTS} cannot be read into the model of {directory / CONFIG} "
+            f"({str(err)[:300]}); {members.FIX}"
+        ) from None
     if result.missing_keys or result.unexpected_keys:
-        raise ValueError(
+        raise CheckpointError(
             f"{directory / WEIGHTS} does not fit the model of {directory / CONFIG}: missing "
             f"{result.missing_keys[:5]}, unexpected {result.unexpected_keys[:5]}"
         )
@@ -151,8 +157,9 @@ def _load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
 
 def read_setup(directory: Path) -> tuple[Config, Tokenizer]:
     """The config and the tokenizer of a checkpoint or an export, read as files of that folder."""
+    loaded = read_yaml(directory, CONFIG)
     try:
-        cfg = validate(yaml.safe_load(members.read_text(directory, CONFIG, error=CheckpointError)))
+        cfg = validate(loaded)
     except ConfigError as err:
         raise ConfigError(f"{directory / CONFIG}: {err}") from None
     text = members.read_text(directory, TOKENIZER, error=CheckpointError)

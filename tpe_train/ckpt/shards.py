@@ -182,7 +182,7 @@ class ShardFile:
                 f"{MAX_HEADER // members.MIB} MiB): it is not a safetensors file; {members.FIX}"
             )
         try:
-            header = json.loads(self.file.read(self.length))
+            header = members.loads(self.file.read(self.length))
         except ValueError as err:
             raise ShardError(f"{self.path} has an unreadable header ({err}); {members.FIX}") from None
         members.check_type(header, dict, f"{self.path}'s header", ShardError)

@@ -312,10 +312,20 @@ def _move_aside(path: Path, why: str, chosen: str, free: bool) -> None:
     )
 
 
+def read_yaml(folder: Path, name: str) -> Any:
+    """A YAML file of a checkpoint or an export, parsed; text that is not YAML is a ``CheckpointError``."""
+    text = members.read_text(folder, name, error=CheckpointError)
+    try:
+        return yaml.safe_load(text)
+    except (yaml.YAMLError, RecursionError) as err:
+        brief = " ".join(str(err).split())[:200]
+        raise CheckpointError(f"{Path(folder) / name} is not YAML ({brief}); {members.FIX}") from None
+
+
 def check_compatible(path: Path, cfg: Config, vocab: str | None = None) -> None:
     """Refuse a checkpoint of another model config or tokenizer (``vocab``: the tokenizer's hash, when
     known), naming what differs."""
-    saved = yaml.safe_load(members.read_text(path, CONFIG, error=CheckpointError))
+    saved = read_yaml(path, CONFIG)
     members.check_type(saved, dict, f"{path / CONFIG}", CheckpointError)
     ours = cfg.model_dump(mode="json")["model"]
     differences = _diff(saved.get("model", {}), ours, "model")

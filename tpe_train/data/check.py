@@ -15,7 +15,7 @@ from pathlib import Path
 from tpe_train.config import DataConfig
 from tpe_train.data.errors import CorpusError
 from tpe_train.data.sources import load_split, parquet_files, source_spec
-from tpe_train.data.textfiles import BOM, open_binary
+from tpe_train.data.textfiles import BOM, reading
 
 SPLIT_KEYS = ("train_split", "valid_split", "test_split")
 
@@ -54,7 +54,7 @@ class FileScan:
 def scan_file(path: Path) -> FileScan:
     """Read ``path`` once as the corpus readers do (lines end at ``\\n`` only) and count problems."""
     scan = FileScan()
-    with open_binary(path) as f:
+    with reading(path) as f:
         for number, line in enumerate(f, start=1):
             scan.lines = number
             if number == 1 and line.startswith(BOM):
@@ -146,7 +146,12 @@ def _text_split(cfg: DataConfig, key: str, report: Report) -> None:
                 )
             )
             continue
-        scan = scan_file(path)
+        try:
+            scan = scan_file(path)
+        except CorpusError as err:  # a damaged gzip stream
+            what, _, fix = str(err).partition("; ")
+            report.problems.append(Problem(str(path), what.removeprefix(f"{path} "), fix, stops=True))
+            continue
         found[lang] = (path, scan)
         report.lines.append(f"  found {path}: {scan.lines:,} lines")
         report.problems += _file_problems(path, scan, cfg.bad_utf8)

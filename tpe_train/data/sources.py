@@ -16,7 +16,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
+import pyarrow as pa
+import pyarrow.parquet as pq
 from datasets import Dataset, IterableDataset
+from datasets.exceptions import DatasetGenerationError
 
 from tpe_train.config import DataConfig
 from tpe_train.data.errors import CorpusError
@@ -125,14 +128,33 @@ def parquet_files(spec: SourceSpec, split: str) -> list[str]:
             f"splits present: {', '.join(present) or 'none'}); point data.path at the hub layout's "
             "root or set the split names"
         )
+    for path in files:
+        _check_parquet(path)
     return [str(f) for f in files]
+
+
+def _check_parquet(path: Path) -> None:
+    """Stop when ``path``'s footer (its schema and row groups) cannot be read: not a parquet file."""
+    try:
+        pq.read_metadata(path)
+    except (pa.ArrowException, OSError) as err:
+        raise CorpusError(
+            f"{path} is not a readable parquet file ({' '.join(str(err).split())[:200]}); download or "
+            f"write it again, or move it out of {path.parent}"
+        ) from None
 
 
 def _parquet(spec: SourceSpec, split: str) -> Dataset:
     files = parquet_files(spec, split)
-    ds = datasets.load_dataset(
-        "parquet", data_files={split: files}, split=split, cache_dir=spec.cache_dir or None
-    )
+    try:
+        ds = datasets.load_dataset(
+            "parquet", data_files={split: files}, split=split, cache_dir=spec.cache_dir or None
+        )
+    except DatasetGenerationError as err:  # a damaged page inside a file whose footer reads
+        raise CorpusError(
+            f"the parquet files of split {split!r} in {Path(files[0]).parent} cannot be read "
+            f"({' '.join(str(err.__cause__ or err).split())[:200]}); download or write them again"
+        ) from None
     assert isinstance(ds, Dataset)
     return _from_translation(ds, spec, f"{Path(files[0]).parent}/{split}-*.parquet")
 

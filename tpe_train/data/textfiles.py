@@ -5,15 +5,18 @@ shifts every later pair of a corpus by one line. Here a line ends at ``\\n`` alo
 before it (a CRLF file) belongs to the line ending, a ``\\r`` anywhere else stays in the text (the
 cleaning turns it into a space). A byte-order mark at the start of a file is dropped. Plain files
 are counted first, so that two sides of different lengths fail before any pair is read (a stream of
-compressed files compares them as it reads).
+compressed files compares them as it reads). A ``.gz`` file that is not a whole gzip stream (cut short,
+damaged, or plain text under a ``.gz`` name) stops with a ``CorpusError`` naming it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gzip
 import hashlib
 import io
 import os
+import zlib
 from collections.abc import Iterator
 from itertools import zip_longest
 from pathlib import Path
@@ -34,9 +37,23 @@ def open_binary(path: Path) -> BinaryIO:
     return open(path, "rb", buffering=CHUNK)
 
 
+@contextlib.contextmanager
+def reading(path: Path) -> Iterator[BinaryIO]:
+    """``open_binary(path)``, where a damaged gzip stream stops with a ``CorpusError`` naming the file."""
+    try:
+        with open_binary(path) as f:
+            yield f
+    except (gzip.BadGzipFile, EOFError, zlib.error) as err:
+        raise CorpusError(
+            f"{path} is not a whole gzip file ({err or type(err).__name__}): it is cut short or damaged, or "
+            f"plain text under a .gz name; check it with `gzip -t {path}`, then copy or compress it again "
+            "(or drop .gz from the name of a plain text file)"
+        ) from None
+
+
 def raw_lines(path: Path) -> Iterator[bytes]:
     """The lines of ``path`` as bytes, without ``\\n`` (nor the ``\\r`` of a ``\\r\\n``), BOM dropped."""
-    with open_binary(path) as f:
+    with reading(path) as f:
         for number, line in enumerate(f):
             if number == 0 and line.startswith(BOM):
                 line = line[len(BOM) :]
@@ -48,7 +65,7 @@ def raw_lines(path: Path) -> Iterator[bytes]:
 def count_lines(path: Path) -> int:
     """Lines of ``path``, as ``raw_lines`` yields them (a last line without ``\\n`` counts)."""
     lines, last = 0, b"\n"
-    with open_binary(path) as f:
+    with reading(path) as f:
         while chunk := f.read(CHUNK):
             lines += chunk.count(b"\n")
             last = chunk[-1:]

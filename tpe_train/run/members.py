@@ -68,6 +68,8 @@ def _name_problem(name: object, nested: bool) -> str | None:
         return "is empty or too long"
     if "\0" in name:
         return "holds a NUL character"
+    if not name.isprintable() or any("\ud800" <= c <= "\udfff" for c in name):
+        return "holds an unprintable character or a lone surrogate"
     if os.path.isabs(name) or name.startswith(("/", "\\")):
         return "is absolute"
     if name == ".." or name.startswith(("../", "..\\")) or "/../" in name:
@@ -169,7 +171,7 @@ def read_json(
     their types (``int`` never a boolean)."""
     path = Path(folder) / name
     try:
-        data = json.loads(read_text(folder, name, limit, error))
+        data = loads(read_text(folder, name, limit, error))
     except ValueError as err:
         if isinstance(err, error):
             raise
@@ -179,6 +181,14 @@ def read_json(
     for key, kind in (fields or {}).items():
         check_type(data.get(key), kind, f"{path}: {key!r}", error)
     return data
+
+
+def loads(text: str | bytes) -> Any:
+    """``json.loads``, where nesting too deep for the parser is a ``ValueError`` like any other bad JSON."""
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("nested deeper than a JSON parser follows") from None
 
 
 def check_type(value: Any, kind: type | tuple[type, ...], what: str, error: Error = MemberError) -> Any:

@@ -1,0 +1,397 @@
+"""Random bytes into every reader of files from elsewhere: only the project's own errors come out.
+
+Corpus text files (plain and ``.gz``: invalid UTF-8, NULs, carriage returns, encoded surrogates,
+truncated or forged gzip), and every file of a real tiny checkpoint and its export (``manifest.json``,
+``index.json``, ``trainer.json``, ``config.yaml``, ``tokenizer.json``, ``latest``, a safetensors file's
+header, ``meta.json``, the export's weights) replaced by random bytes, random JSON, or the real JSON with
+one value replaced. A reader either reads the file or raises ``CorpusError`` / ``CheckpointError`` /
+``MemberError`` / ``ConfigError`` (checked by exact class), never a library's ``UnicodeDecodeError``,
+``EOFError``, ``zlib.error``, ``RecursionError`` or ``KeyError``. Examples are derandomized: the same
+ones each run (``EXAMPLES`` in all)."""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from hypothesis import event, example, given, settings
+from hypothesis import strategies as st
+
+from tpe_train.ckpt import export, shards, state, store
+from tpe_train.ckpt.errors import CheckpointError, UnknownFormat
+from tpe_train.config import Config, ConfigError, validate
+from tpe_train.data.check import scan_file
+from tpe_train.data.errors import CorpusError
+from tpe_train.data.sources import SourceSpec, load_split
+from tpe_train.data.textfiles import check_aligned, count_lines, line_pairs, raw_lines
+from tpe_train.run.members import MemberError
+
+pytestmark = pytest.mark.integration  # the checkpoint is made by the real tpe-train
+
+TINY = [
+    "data.synthetic.train_size=100",
+    "data.synthetic.test_size=10",
+    "data.synthetic.valid_size=10",
+    "data.synthetic.long_size=5",
+    "data.synthetic.probe_size=5",
+    "eval.at_end=false",
+    "train.valid_bleu_size=0",
+    "train.progress=false",
+    "train.threads=1",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.ffn_dim=32",
+    "model.encoder_layers=1",
+    "model.decoder_layers=1",
+    "train.max_steps=1",
+]
+CORPUS_EXAMPLES = 150
+PAIR_EXAMPLES = 60
+PARQUET_EXAMPLES = 30
+FILE_EXAMPLES = 40  # per checkpoint or export file
+CKPT_FILES = ("manifest.json", "index.json", "trainer.json", "config.yaml", "tokenizer.json", "latest")
+EXPORT_FILES = ("meta.json", "config.yaml", "tokenizer.json", "model.safetensors")
+FILES = len(CKPT_FILES) + 1 + len(EXPORT_FILES)  # with the safetensors header
+EXAMPLES = CORPUS_EXAMPLES + PAIR_EXAMPLES + PARQUET_EXAMPLES + FILE_EXAMPLES * FILES
+CKPT_ERRORS = (CheckpointError, shards.ShardError, UnknownFormat, MemberError, ConfigError)
+
+
+def fuzz(examples: int) -> settings:
+    """Hypothesis settings: ``examples`` examples, the same ones each run, no time limit per example."""
+    return settings(max_examples=examples, deadline=None, derandomize=True, database=None)
+
+
+# -- random contents ---------------------------------------------------------------------------------
+SPECIAL = [
+    b"\n",
+    b"\r",
+    b"\r\n",
+    b"\x00",
+    b"\xef\xbb\xbf",  # a byte-order mark
+    b"\xed\xa0\x80",  # an encoded lone surrogate
+    b"\xff",
+    b"\xc3",  # a truncated two-byte sequence
+    b"\x1f\x8b\x08\x00",  # a gzip header
+    b"caf\xc3\xa9",
+    b"line",
+]
+pieces = st.lists(st.sampled_from(SPECIAL) | st.binary(max_size=8), max_size=24).map(b"".join)
+raw = st.binary(max_size=300) | pieces
+
+
+@st.composite
+def gzipped(draw: st.DrawFn) -> bytes:
+    """A gzip stream of random text, cut short, with a byte flipped, or with bytes appended."""
+    whole = gzip.compress(draw(pieces), mtime=0)
+    how = draw(st.sampled_from(["whole", "cut", "flip", "tail", "header"]))
+    if how == "cut":
+        return whole[: draw(st.integers(0, len(whole) - 1))]
+    if how == "flip":
+        at = draw(st.integers(0, len(whole) - 1))
+        return whole[:at] + bytes([whole[at] ^ draw(st.integers(1, 255))]) + whole[at + 1 :]
+    if how == "tail":
+        return whole + draw(st.binary(min_size=1, max_size=16))
+    if how == "header":
+        return b"\x1f\x8b" + draw(st.binary(max_size=40))
+    return whole
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
+    max_leaves=16,
+)
+
+
+def _paths(value: Any, prefix: tuple[Any, ...] = (), depth: int = 0) -> Iterator[tuple[Any, ...]]:
+    """Every place inside ``value`` (keys and list positions), down to ``depth`` 4."""
+    if depth > 4:
+        return
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, inner in items:
+        yield (*prefix, key)
+        yield from _paths(inner, (*prefix, key), depth + 1)
+
+
+@st.composite
+def mutated(draw: st.DrawFn, original: Any) -> bytes:
+    """``original`` with one value (or a key's name) replaced by random JSON, as bytes."""
+    value = json.loads(json.dumps(original))
+    places = list(_paths(value))
+    if not places:
+        return json.dumps(draw(json_values)).encode()
+    place = draw(st.sampled_from(places))
+    holder = value
+    for key in place[:-1]:
+        holder = holder[key]
+    if isinstance(holder, dict) and draw(st.booleans()):
+        holder[draw(st.text(max_size=12))] = holder.pop(place[-1])
+    else:
+        holder[place[-1]] = draw(json_values)
+    return json.dumps(value).encode()
+
+
+def contents(original: bytes) -> st.SearchStrategy[bytes]:
+    """Random replacements for a file whose real contents are ``original``."""
+    options = raw | json_values.map(lambda v: json.dumps(v).encode())
+    try:
+        options = options | mutated(json.loads(original))
+    except ValueError:
+        options = options | st.builds(lambda cut: original[:cut], st.integers(0, len(original)))
+    return options
+
+
+def drawn(data: st.DataObject, name: str, original: bytes) -> bytes:
+    return data.draw(contents(original), label=name)
+
+
+def outcome(read: Callable[[], Any], allowed: tuple[type[Exception], ...]) -> str:
+    """``read()``'s result kind: "read", or the name of an allowed error class (any other escapes)."""
+    try:
+        read()
+    except Exception as err:
+        assert type(err) in allowed, f"{type(err).__name__}: {err}"
+        assert str(err), "an error without a message"
+        event(type(err).__name__)  # shown by pytest --hypothesis-show-statistics
+        return type(err).__name__
+    event("read")
+    return "read"
+
+
+# -- corpus text files -------------------------------------------------------------------------------
+def _read_side(path: Path) -> None:
+    lines = list(raw_lines(path))
+    assert count_lines(path) == len(lines)
+    assert scan_file(path).lines == len(lines)
+
+
+@fuzz(CORPUS_EXAMPLES)
+@given(data=raw | gzipped(), gz=st.booleans())
+@example(data=gzip.compress(b"a\nb\n")[:-4], gz=True)  # a truncated stream
+@example(data=b"plain text\n", gz=True)  # a plain file named .gz
+def test_a_corpus_side_of_random_bytes_reads_or_gives_a_corpus_error(data: bytes, gz: bool) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / ("train.de.gz" if gz else "train.de")
+        path.write_bytes(data)
+        outcome(lambda: _read_side(path), (CorpusError,))
+
+
+sides = raw | gzipped()
+
+
+@fuzz(PAIR_EXAMPLES)
+@given(src=sides, tgt=sides, gz=st.booleans(), bad_utf8=st.sampled_from(["error", "replace"]))
+def test_a_pair_of_random_sides_reads_aligned_or_gives_a_corpus_error(
+    src: bytes, tgt: bytes, gz: bool, bad_utf8: str
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        suffix = ".gz" if gz else ""
+        s, t = Path(tmp) / f"train.de{suffix}", Path(tmp) / f"train.en{suffix}"
+        s.write_bytes(src)
+        t.write_bytes(tgt)
+
+        def read() -> None:
+            check_aligned(s, t)
+            pairs = list(line_pairs(str(s), str(t), bad_utf8))
+            assert len(pairs) == count_lines(s) == count_lines(t)
+            assert all(isinstance(p["src"], str) and isinstance(p["tgt"], str) for p in pairs)
+
+        outcome(read, (CorpusError,))
+
+
+def _parquet_bytes() -> bytes:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    sink = pa.BufferOutputStream()
+    pq.write_table(pa.table({"src": ["ein haus", "die katze"], "tgt": ["a house", "the cat"]}), sink)
+    return bytes(sink.getvalue().to_pybytes())
+
+
+PARQUET = _parquet_bytes()
+
+
+@st.composite
+def damaged_parquet(draw: st.DrawFn) -> bytes:
+    """A real parquet file cut short, with bytes overwritten, or random bytes between the magic."""
+    how = draw(st.sampled_from(["cut", "overwrite", "magic"]))
+    if how == "cut":
+        return PARQUET[: draw(st.integers(0, len(PARQUET) - 1))]
+    if how == "overwrite":
+        at = draw(st.integers(0, len(PARQUET) - 1))
+        patch = draw(st.binary(min_size=1, max_size=12))
+        return PARQUET[:at] + patch + PARQUET[at + len(patch) :]
+    return b"PAR1" + draw(raw) + b"PAR1"
+
+
+@fuzz(PARQUET_EXAMPLES)
+@given(data=raw | damaged_parquet())
+@example(data=PARQUET)  # the real file reads
+def test_a_parquet_split_of_random_bytes_reads_or_gives_a_corpus_error(data: bytes) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "train-00000-of-00001.parquet").write_bytes(data)
+        spec = SourceSpec(kind="parquet", src_lang="de", tgt_lang="en", path=tmp, cache_dir=f"{tmp}/cache")
+
+        def read() -> None:
+            ds = load_split(spec, "train")
+            assert ds.column_names == ["src", "tgt"] and all(isinstance(s, str) for s in ds["src"])
+
+        result = outcome(read, (CorpusError,))
+        assert result == "read" or data != PARQUET
+
+
+# -- a real checkpoint and its export ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fuzz-run")
+    cmd = [sys.executable, "-m", "tpe_train.train", *TINY]
+    cmd += [f"train.run_dir={root / 'run'}", f"data.store_dir={root / 'store'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    global RUN_CONFIG
+    RUN_CONFIG = validate(yaml.safe_load((root / "run" / "config.yaml").read_text()))
+    return root / "run"
+
+
+RUN_CONFIG = Config()  # the made run's, for the resume's comparison
+
+
+def forge(folder: Path, name: str, data: bytes, listing: str) -> None:
+    """Replace ``folder/name`` and record its size and hash in ``listing`` (a checkpoint's manifest or
+    an export's meta), as a forger would: the reader then parses the new contents."""
+    (folder / name).write_bytes(data)
+    listed = json.loads((folder / listing).read_text())
+    digest = hashlib.sha256(data).hexdigest()
+    if listing == store.MANIFEST:
+        listed["files"][name] = {"size": len(data), "sha256": digest}
+    else:
+        listed["sha256"][name] = digest
+    (folder / listing).write_text(json.dumps(listed))
+
+
+def read_checkpoint(ckpt: Path) -> None:
+    """What a resume, ``tpe-ckpt list`` and an offline export read of a checkpoint."""
+    entry = store.inspect(ckpt)
+    store.check_compatible(ckpt, RUN_CONFIG)
+    store.latest_named(ckpt.parent)
+    store.verify_all(ckpt)
+    state.read_trainer(ckpt)
+    export.read_setup(ckpt)
+    index = shards.read_index(ckpt)
+    name = next(iter(index["tensors"]))
+    shards.read_tensor(ckpt, index, name)
+    assert entry.complete, entry.reason
+
+
+def _scratch(made: Path, tmp: str) -> Path:
+    """A copy of the run's last checkpoint (with ``latest`` beside it) under ``tmp``."""
+    root = Path(tmp) / "checkpoints"
+    ckpt = root / "step-00000001"
+    shutil.copytree(made / "checkpoints" / ckpt.name, ckpt)
+    shutil.copy(made / "checkpoints" / store.LATEST, root / store.LATEST)
+    return ckpt
+
+
+@pytest.mark.parametrize("name", CKPT_FILES)
+@fuzz(FILE_EXAMPLES)
+@given(data=st.data())
+@example(data=None).via("a deeply nested JSON value")
+def test_a_checkpoint_file_of_random_bytes_gives_a_checkpoint_error(
+    made: Path, name: str, data: st.DataObject | None
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = _scratch(made, tmp)
+        where = ckpt.parent if name == store.LATEST else ckpt
+        new = b"[" * 100_000 if data is None else drawn(data, name, (where / name).read_bytes())
+        if name in (store.MANIFEST, store.LATEST):
+            (where / name).write_bytes(new)
+        else:
+            forge(ckpt, name, new, store.MANIFEST)
+        outcome(lambda: read_checkpoint(ckpt), CKPT_ERRORS)
+
+
+@fuzz(FILE_EXAMPLES)
+@given(header=st.data(), cut=st.integers(0, 64))
+def test_a_safetensors_header_of_random_bytes_gives_a_shard_error(
+    made: Path, header: st.DataObject, cut: int
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = _scratch(made, tmp)
+        name = "model-00000.safetensors"
+        old = (ckpt / name).read_bytes()
+        (length,) = struct.unpack("<Q", old[:8])
+        head = header.draw(contents(old[8 : 8 + length]), label="header")
+        declared = max(0, len(head) + cut % 9 - 4) if cut < 32 else len(head)  # sometimes a wrong length
+        new = struct.pack("<Q", declared) + head + old[8 + length :]
+        forge(ckpt, name, new, store.MANIFEST)
+
+        def read() -> None:
+            shard = shards.ShardFile(ckpt / name)
+            shard.close()
+            index = shards.read_index(ckpt)
+            for tensor in index["tensors"]:
+                shards.read_tensor(ckpt, index, tensor)
+
+        outcome(read, CKPT_ERRORS)
+
+
+@pytest.mark.parametrize("name", EXPORT_FILES)
+@fuzz(FILE_EXAMPLES)
+@given(data=st.data())
+def test_an_export_file_of_random_bytes_gives_a_checkpoint_error(
+    made: Path, name: str, data: st.DataObject
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "checkpoint"
+        shutil.copytree(made / "checkpoint", out)
+        new = drawn(data, name, (out / name).read_bytes())
+        if name == export.META:
+            (out / name).write_bytes(new)
+        else:
+            forge(out, name, new, export.META)
+        outcome(lambda: export.load_export(out), CKPT_ERRORS)
+
+
+@pytest.mark.parametrize("where", ["manifest", "index", "meta"])
+def test_a_file_name_holding_a_lone_surrogate_is_refused_before_any_open(made: Path, where: str) -> None:
+    """JSON can escape a lone surrogate (``"\\ud800"``), which no file name can hold: the readers refuse
+    the name as they refuse ``..``, rather than fail inside ``os.open`` with ``UnicodeEncodeError``."""
+    bad = "model\ud800.safetensors"
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = _scratch(made, tmp)
+        out = Path(tmp) / "checkpoint"
+        shutil.copytree(made / "checkpoint", out)
+        if where == "manifest":
+            manifest = json.loads((ckpt / store.MANIFEST).read_text())
+            manifest["files"][bad] = {"size": 1, "sha256": "0" * 64}
+            (ckpt / store.MANIFEST).write_text(json.dumps(manifest))
+        elif where == "index":
+            index = json.loads((ckpt / shards.INDEX).read_text())
+            next(iter(index["tensors"].values()))["chunks"][0]["file"] = bad
+            forge(ckpt, shards.INDEX, json.dumps(index).encode(), store.MANIFEST)
+        else:
+            meta = json.loads((out / export.META).read_text())
+            meta["sha256"][bad] = "0" * 64
+            (out / export.META).write_text(json.dumps(meta))
+        read = (lambda: export.load_export(out)) if where == "meta" else (lambda: read_checkpoint(ckpt))
+        with pytest.raises(CKPT_ERRORS) as caught:
+            read()
+        assert type(caught.value) in CKPT_ERRORS
+        assert "lone surrogate" in str(caught.value)
+
+
+def test_the_example_count_is_what_the_docs_say() -> None:
+    """docs/reliability.md states the number of random examples these tests run."""
+    docs = (Path(__file__).parents[1] / "docs" / "reliability.md").read_text()
+    assert f"{EXAMPLES:,} random examples" in docs
