@@ -15,11 +15,13 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from tpe_train.ckpt.export import build_model, save_export
+from tpe_train.ckpt.export import save_export
 from tpe_train.config import load_config
+from tpe_train.data.batching import model_args
 from tpe_train.data.synthetic import generate
 from tpe_train.data.tokenizer import encode, train_tokenizer
 from tpe_train.evaluation.cli import MAX_SOURCE_LEN, translate_main
+from tpe_train.model.build import build_model
 
 TINY = ["model.position.kind=rope", "model.d_model=16", "model.n_heads=2", "model.ffn_dim=32",
         "model.encoder_layers=1", "model.decoder_layers=1", "train.threads=1", "eval.beam=1",
@@ -35,7 +37,7 @@ def export(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Tokenizer]:
     tok = train_tokenizer([s for p in pairs for s in p], 120)
     cfg = load_config("demo", TINY)
     folder = tmp_path_factory.mktemp("limits") / "export"
-    save_export(folder, build_model(cfg, tok), cfg, tok, step=0)
+    save_export(folder, build_model(model_args(cfg.model, tok.get_vocab_size())), cfg, tok, step=0)
     return folder, tok
 
 
