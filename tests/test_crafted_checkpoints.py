@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from tests.support.models import TINY_RUN
 from tpe_train.ckpt.cli import main as tpe_ckpt
 from tpe_train.ckpt.store import entries, resume_choice
 from tpe_train.data.cli import main as tpe_data
@@ -34,22 +35,7 @@ from tpe_train.train.cli import main as tpe_train
 
 pytestmark = pytest.mark.integration  # the run is made by the real tpe-train
 
-TINY = [
-    "data.synthetic.train_size=300",
-    "data.synthetic.test_size=20",
-    "data.synthetic.valid_size=20",
-    "data.synthetic.long_size=5",
-    "data.synthetic.probe_size=5",
-    "eval.at_end=false",
-    "train.valid_bleu_size=0",
-    "train.progress=false",
-    "train.threads=1",
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.ffn_dim=32",
-    "model.encoder_layers=1",
-    "model.decoder_layers=1",
-]
+TINY = TINY_RUN
 STEP = "checkpoints/step-00000002"
 
 # -- the audit hook: installed once per process (a hook cannot be removed), recording while asked --

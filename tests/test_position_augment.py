@@ -14,8 +14,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import Tensor
 
+from tests.support.models import tiny_model
 from tpe_train.config.sections import Config
-from tpe_train.model.args import ModelArgs
 from tpe_train.model.position_stats import position_similarity
 from tpe_train.model.transformer import Transformer
 from tpe_train.parallel.context import ParallelContext
@@ -45,19 +45,7 @@ def pos_args(**kw: object) -> PositionArgs:
 
 def model(kind: str, augment: str) -> Transformer:
     torch.manual_seed(0)
-    args = ModelArgs(
-        vocab_size=40,
-        d_model=32,
-        n_heads=4,
-        ffn_dim=64,
-        encoder_layers=2,
-        decoder_layers=2,
-        dropout=0.0,
-        encoder_position=kind,
-        decoder_position=kind,
-        position=pos_args(augment=augment, **PARAMS),
-    )
-    return Transformer(args)
+    return tiny_model(kind, position=pos_args(augment=augment, **PARAMS))
 
 
 def batch() -> tuple[Tensor, Tensor]:

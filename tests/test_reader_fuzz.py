@@ -28,6 +28,7 @@ import yaml
 from hypothesis import event, example, given, settings
 from hypothesis import strategies as st
 
+from tests.support.models import TINY_RUN
 from tpe_train.ckpt import export, shards, state, store
 from tpe_train.ckpt.errors import CheckpointError, UnknownFormat
 from tpe_train.config import Config, ConfigError, validate
@@ -39,23 +40,7 @@ from tpe_train.run.members import MemberError
 
 pytestmark = pytest.mark.integration  # the checkpoint is made by the real tpe-train
 
-TINY = [
-    "data.synthetic.train_size=100",
-    "data.synthetic.test_size=10",
-    "data.synthetic.valid_size=10",
-    "data.synthetic.long_size=5",
-    "data.synthetic.probe_size=5",
-    "eval.at_end=false",
-    "train.valid_bleu_size=0",
-    "train.progress=false",
-    "train.threads=1",
-    "model.d_model=16",
-    "model.n_heads=2",
-    "model.ffn_dim=32",
-    "model.encoder_layers=1",
-    "model.decoder_layers=1",
-    "train.max_steps=1",
-]
+TINY = [*TINY_RUN, "train.max_steps=1"]
 CORPUS_EXAMPLES = 150
 PAIR_EXAMPLES = 60
 PARQUET_EXAMPLES = 30

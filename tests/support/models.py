@@ -10,6 +10,23 @@ KINDS = POSITIONS.names()
 #: the encodings that the slow tests (training to a loss, compiling, exporting and decoding) cover; the
 #: others are covered there by the fast tests of the same properties (tests/test_position_kernels.py)
 TRAINED = ["none", "sinusoidal", "learned", "shaw", "t5", "alibi", "rope"]
+#: overrides of the tiniest real `tpe-train` run (seconds on one core): tests that need a real checkpoint
+TINY_RUN = [
+    "data.synthetic.train_size=300",
+    "data.synthetic.test_size=20",
+    "data.synthetic.valid_size=20",
+    "data.synthetic.long_size=5",
+    "data.synthetic.probe_size=5",
+    "eval.at_end=false",
+    "train.valid_bleu_size=0",
+    "train.progress=false",
+    "train.threads=1",
+    "model.d_model=16",
+    "model.n_heads=2",
+    "model.ffn_dim=32",
+    "model.encoder_layers=1",
+    "model.decoder_layers=1",
+]
 
 
 def tiny_model(kind: str, **kw: object) -> Transformer:
