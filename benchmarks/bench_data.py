@@ -42,8 +42,8 @@ from harness import (
 from tpe_train.config import load_config
 from tpe_train.data.batching import BatchIterator, collate, length_arrays
 from tpe_train.data.clean import CleanSpec, clean
-from tpe_train.data.corpus import to_dataset
 from tpe_train.data.sources import SourceSpec, load_split
+from tpe_train.data.tokenise import to_dataset
 from tpe_train.data.tokenizer import train_tokenizer
 
 

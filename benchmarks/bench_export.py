@@ -70,7 +70,8 @@ from harness import (
 
 from tpe_train.ckpt.export import WEIGHTS, load_export, save_export
 from tpe_train.data.batching import EOS_ID
-from tpe_train.data.corpus import test_splits
+from tpe_train.data.specs import corpus_spec
+from tpe_train.data.splits import test_splits
 from tpe_train.data.tokenizer import PAD, train_tokenizer
 from tpe_train.evaluation.decoding import DecodeOptions, decode_sentences, read_lines, token_batches
 from tpe_train.evaluation.metrics import bleu, paired_bootstrap
@@ -198,7 +199,7 @@ def run(args: argparse.Namespace, tmp: Path) -> dict[str, Any]:
             sys.exit(f"bench_export: {path} not found; pass --checkpoint EXPORT_DIR and --data MULTI30K_DIR")
     model, cfg, tok = load_export(args.checkpoint)
     if own:
-        test = test_splits(cfg.data).test
+        test = test_splits(corpus_spec(cfg.data)).test
         sources, refs = [src for src, _ in test], [tgt for _, tgt in test]
     else:
         sources, refs = read_lines(files[0]), read_lines(files[1])

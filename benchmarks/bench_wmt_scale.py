@@ -229,8 +229,8 @@ def iterator_child(corpus: Path, store: Path, batches: int, steps: int, smoke: b
 
     from tpe_train.config import load_config
     from tpe_train.data.batching import model_args
-    from tpe_train.data.corpus import TrainBatches
-    from tpe_train.data.corpus import prepare as prepare_data
+    from tpe_train.data.prepare import prepare as prepare_data
+    from tpe_train.data.train_batches import TrainBatches
     from tpe_train.model.build import build_model
 
     rss0 = resident()["VmRSS"]

@@ -399,7 +399,8 @@ def batch_line(preset: str, overrides: list[str], processes: int, layout: Launch
     tokens of a micro-batch are counted in the token store when it is prepared, else estimated."""
     from tpe_train.config import ConfigError, load_config  # imports torch: only for --dry-run
     from tpe_train.data.batching import length_arrays
-    from tpe_train.data.store import load_store, store_path
+    from tpe_train.data.specs import store_path
+    from tpe_train.data.store_open import load_store
     from tpe_train.parallel.batch import estimated_micro_tokens, micro_tokens, resolve
     from tpe_train.parallel.deepspeed import autotp_size
 

@@ -176,7 +176,7 @@ def test_one_two_and_four_ranks_train_the_same_trajectory_and_resume_across_size
     import subprocess
     import sys
 
-    from tpe_train.data.corpus import prepare
+    from tpe_train.data.prepare import prepare
     from tpe_train.train.loop import run
 
     root = Path(__file__).resolve().parents[1]

@@ -26,7 +26,7 @@ from tests.support.models import TINY_RUN
 from tpe_train.ckpt.cli import main as tpe_ckpt
 from tpe_train.ckpt.store import entries, resume_choice
 from tpe_train.data.cli import main as tpe_data
-from tpe_train.data.store import load_store
+from tpe_train.data.store_open import load_store
 from tpe_train.evaluation.cli import eval_main
 from tpe_train.run import members
 from tpe_train.run.lock import RunDirBusy, RunLock

@@ -29,7 +29,8 @@ from tpe_train.ckpt.export import write_export
 from tpe_train.ckpt.state import Checkpointer
 from tpe_train.ckpt.store import CheckpointError, latest_complete, verify_all
 from tpe_train.config import load_config
-from tpe_train.data.store import load_store, write_store
+from tpe_train.data.store import write_store
+from tpe_train.data.store_open import load_store
 from tpe_train.run.atomic import is_temp
 from tpe_train.study.grid import MANIFEST, Study
 from tpe_train.train import loop, startup

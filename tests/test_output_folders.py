@@ -229,7 +229,7 @@ def test_tpe_data_prepare_writes_only_its_own_store_folder(
     from datasets import Dataset
 
     from tpe_train.data.cli import main as data_main
-    from tpe_train.data.store import store_path
+    from tpe_train.data.specs import store_path
 
     def prepare(root: Path, *extra: str) -> int:
         return data_main(["prepare", *DATA, f"data.store_dir={root}", *extra])

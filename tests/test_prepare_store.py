@@ -15,8 +15,9 @@ from datasets import Dataset
 
 from tpe_train.config import load_config
 from tpe_train.data.clean import CleanSpec, clean
-from tpe_train.data.corpus import prepare
+from tpe_train.data.dedup import first_of_each
 from tpe_train.data.errors import CorpusError
+from tpe_train.data.prepare import prepare
 
 
 def _whole_list_dedup(src: list[str], tgt: list[str]) -> list[tuple[str, str]]:
@@ -39,12 +40,11 @@ def test_hashed_dedup_keeps_what_the_whole_list_dedup_kept() -> None:
     pairs = [(" ".join(rng.choices(words, k=3)), " ".join(rng.choices(words, k=2))) for _ in range(3000)]
     pairs += [("a  b", "c"), ("a b ", "c"), ("a b", "c")]  # equal after whitespace clean-up
     src, tgt = [p[0] for p in pairs], [p[1] for p in pairs]
-    spec = CleanSpec(normalize="NFKC", dedup=True)
-    kept, dropped = clean(Dataset.from_dict({"src": src, "tgt": tgt}), spec)
     normalized, _ = clean(Dataset.from_dict({"src": src, "tgt": tgt}), CleanSpec(normalize="NFKC"))
+    kept, duplicates = first_of_each(normalized)
     want = _whole_list_dedup(normalized["src"], normalized["tgt"])
     assert list(zip(kept["src"], kept["tgt"], strict=True)) == want
-    assert dropped["duplicate"] == len(pairs) - len(want) > 2000
+    assert duplicates == len(pairs) - len(want) > 2000
 
 
 def _corpus(root: Path, valid: tuple[str, str] = ("ein test\n", "a test\n"), n: int = 400) -> Path:
@@ -81,7 +81,7 @@ def test_a_validation_set_where_nothing_fits_max_len_stops_before_training(tmp_p
 _CHILD = """
 import json, logging, os, sys, time
 from tpe_train.config import load_config
-from tpe_train.data.corpus import prepare
+from tpe_train.data.prepare import prepare
 logging.basicConfig(level=logging.INFO, stream=sys.stderr)
 root, store, gate, me = sys.argv[1:5]
 cfg = load_config("demo", ["data.corpus=text", f"data.path={root}", f"data.store_dir={store}",

@@ -11,7 +11,9 @@ import pyarrow.parquet as pq
 import pytest
 from datasets import Dataset, DatasetDict
 
-from tpe_train.data.clean import CleanSpec, clean, format_report
+from tpe_train.data.clean import CleanSpec, clean
+from tpe_train.data.dedup import first_of_each
+from tpe_train.data.prepare import format_report
 from tpe_train.data.sources import CorpusError, SourceSpec, load_split
 
 PAIRS = [("Hello world", "Hallo Welt"), ("A cat.", "Eine Katze."), ("Thank you", "Danke")]
@@ -110,7 +112,8 @@ def test_cleaning_counts_each_reason() -> None:
             "gleich",
         ],
     }
-    ds, dropped = clean(Dataset.from_dict(pairs), CleanSpec(max_words=12, max_ratio=9.0, dedup=True))
+    ds, dropped = clean(Dataset.from_dict(pairs), CleanSpec(max_words=12, max_ratio=9.0))
+    ds, dropped["duplicate"] = first_of_each(ds)  # the next stage
     assert ds["src"][0] == "Hello world"  # NFKC turns the no-break space into a space; collapsed
     assert dropped == {"empty": 1, "too_short": 0, "too_long": 1, "ratio": 1, "duplicate": 1}
     assert list(ds["src"]) == ["Hello world", "one", "same pair"]
@@ -173,7 +176,7 @@ def test_bad_corpus_stops_the_cli_with_one_message(tmp_path: Path) -> None:
 
 def test_corpus_empty_after_cleaning_is_refused_before_training(tmp_path: Path) -> None:
     from tpe_train.config import load_config
-    from tpe_train.data.corpus import corpus_splits
+    from tpe_train.data.prepare import prepare
 
     _write_text_corpus(tmp_path / "corpus", n_train=20)
     cfg = load_config(
@@ -182,7 +185,7 @@ def test_corpus_empty_after_cleaning_is_refused_before_training(tmp_path: Path) 
     with pytest.raises(
         CorpusError, match=r"no training pair is left after cleaning \(train: 0 of 20 pairs kept"
     ):
-        corpus_splits(cfg.data)
+        prepare(cfg.data)
 
 
 def test_data_path_is_required_for_local_corpora() -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tpe_train.config import load_config
-from tpe_train.data.corpus import prepare
+from tpe_train.data.prepare import prepare
 from tpe_train.data.sources import CorpusError
 
 SMALL = [
@@ -65,7 +65,7 @@ def test_tpe_data_prepare_cli(tmp_path: Path) -> None:
 
 
 def test_store_keeps_16_bit_ids_and_no_training_text(tmp_path: Path) -> None:
-    from tpe_train.data.corpus import token_features
+    from tpe_train.data.tokenise import token_features
 
     data = prepare(cfg(tmp_path))
     train, valid = data.train, data.valid

@@ -58,8 +58,8 @@ from tpe_train.ckpt.store import (
     write_manifest,
 )
 from tpe_train.config import Config
-from tpe_train.data.corpus import TrainBatches
 from tpe_train.data.tokenizer import vocab_hash
+from tpe_train.data.train_batches import TrainBatches
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
 from tpe_train.run import members, readers

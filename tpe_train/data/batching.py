@@ -15,9 +15,8 @@ import torch
 from datasets import Dataset
 
 from tpe_train.config import ModelConfig
+from tpe_train.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.model.args import ModelArgs
-
-PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # the tokenizer's special tokens (tpe_train.data.tokenizer)
 
 
 def model_args(model: ModelConfig, vocab_size: int) -> ModelArgs:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from tpe_train.config import DataConfig
 from tpe_train.data.errors import CorpusError
-from tpe_train.data.sources import load_split, parquet_files, source_spec
+from tpe_train.data.sources import load_split, parquet_files
+from tpe_train.data.specs import source_spec
 from tpe_train.data.textfiles import BOM, reading
 
 SPLIT_KEYS = ("train_split", "valid_split", "test_split")

@@ -11,7 +11,7 @@ import sys
 
 from tpe_train.config import ConfigError, DataConfig, load_config
 from tpe_train.data.check import check_corpus, suggested_vocab
-from tpe_train.data.corpus import prepare
+from tpe_train.data.prepare import prepare
 from tpe_train.data.sources import CorpusError
 from tpe_train.run import logs
 from tpe_train.run.members import MemberError

@@ -1,8 +1,10 @@
-"""Corpus sources behind one interface: each split becomes a `datasets.Dataset` with ``src``/``tgt``.
+"""Read: the pipeline's first stage. Corpus sources behind one interface: each split becomes a
+`datasets.Dataset` with ``src``/``tgt``.
 
 Sources: a Hugging Face hub id (``wmt/wmt14``, config ``de-en``), a local directory in the hub's parquet
 layout (``de-en/train-00000-of-00003.parquet``), a ``save_to_disk`` directory, plain line-aligned text
-pairs (``train.en`` / ``train.de``, optionally gzipped; data/textfiles.py), and the synthetic generator.
+pairs (``train.en`` / ``train.de``, optionally gzipped; data/textfiles.py); the synthetic corpus is
+generated instead (data/splits.py).
 Problems (missing files, splits or languages, misaligned or non-UTF-8 text) raise ``CorpusError``
 with a message that names the file and the fix, before any long work starts.
 """
@@ -21,19 +23,18 @@ import pyarrow.parquet as pq
 from datasets import Dataset, IterableDataset
 from datasets.exceptions import DatasetGenerationError
 
-from tpe_train.config import DataConfig
 from tpe_train.data.errors import CorpusError
 from tpe_train.data.textfiles import check_aligned, line_pairs, stamp, write_arrow
 from tpe_train.run.atomic import temp_name
 
-__all__ = ["CorpusError", "SourceSpec", "load_split", "source_spec", "stream_split"]
+__all__ = ["CorpusError", "SourceSpec", "load_split", "stream_split"]
 
 TEXT_FORMAT = 1  # bump when the Arrow file of a text split changes
 
 
 @dataclass(frozen=True, kw_only=True)
 class SourceSpec:
-    """Where a corpus lives (a plain mirror of the data config, so this file needs no config)."""
+    """Where a corpus lives (a plain mirror of the data config: data/specs.py makes it)."""
 
     kind: str  # hub | parquet | disk | text
     src_lang: str
@@ -47,20 +48,6 @@ class SourceSpec:
     @property
     def config_name(self) -> str:
         return self.hub_config or "-".join(sorted((self.src_lang, self.tgt_lang)))
-
-
-def source_spec(cfg: DataConfig) -> SourceSpec:
-    """Where the ``data`` section's real corpus lives."""
-    return SourceSpec(
-        kind=cfg.corpus,
-        src_lang=cfg.src_lang,
-        tgt_lang=cfg.tgt_lang,
-        path=cfg.path,
-        hub_id=cfg.hub_id,
-        hub_config=cfg.hub_config,
-        cache_dir=cfg.cache_dir,
-        bad_utf8=cfg.bad_utf8,
-    )
 
 
 def load_split(spec: SourceSpec, split: str) -> Dataset:

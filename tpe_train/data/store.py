@@ -1,112 +1,26 @@
-"""The binarised token store: tokenised train/valid sets and the tokenizer, memory-mapped Arrow on
-disk, keyed by a fingerprint of everything that shapes them (corpus, cleaning, tokenizer settings,
-length limit). ``tpe-data prepare`` builds it ahead of training so that the ranks of a multi-node job
-only read it; a run whose fingerprint matches reuses it. One process builds a store at a time
-(``store_lock``); the others wait and reuse it.
+"""Store: the pipeline's last stage. The binarised token store: tokenised train/valid sets and the
+tokenizer, memory-mapped Arrow on disk, at a path keyed by a fingerprint of everything that shapes them
+(corpus, cleaning, tokenizer settings, length limit; data/specs.py). ``tpe-data prepare`` builds it
+ahead of training so that the ranks of a multi-node job only read it (data/store_open.py); a run whose
+fingerprint matches reuses it.
 """
 
 from __future__ import annotations
 
-import fcntl
-import hashlib
 import json
-import logging
 import os
 import shutil
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from datasets import Dataset, load_from_disk
+from datasets import Dataset
 from tokenizers import Tokenizer
 
-from tpe_train.data.sources import CorpusError
 from tpe_train.data.tokenizer import vocab_hash
-from tpe_train.run import members
 from tpe_train.run.atomic import fsync_dir, temp_name
 from tpe_train.run.outputs import mark_output
 
-if TYPE_CHECKING:
-    from tpe_train.config import DataConfig
-
 STORE_VERSION = 2  # bump when the stored columns change (2: uint16/int32 ids, no training text)
-DEFAULT_ROOT = "~/.cache/tpe-train/data"
-log = logging.getLogger(__name__)
-
-
-def fingerprint(cfg: DataConfig) -> str:
-    """A short hash of every data setting that changes the stored tokens."""
-    fields = cfg.model_dump(mode="json", exclude={"max_tokens", "num_proc", "store_dir", "shuffle_buffer"})
-    if cfg.corpus != "synthetic":
-        fields.pop("synthetic")
-    fields["version"] = STORE_VERSION
-    return hashlib.sha256(json.dumps(fields, sort_keys=True).encode()).hexdigest()[:16]
-
-
-def store_path(cfg: DataConfig) -> Path:
-    """``<data.store_dir or $TPE_DATA_CACHE or ~/.cache/tpe-train/data>/<corpus>-<fingerprint>``."""
-    root = cfg.store_dir or os.environ.get("TPE_DATA_CACHE", DEFAULT_ROOT)
-    return Path(root).expanduser() / f"{cfg.corpus}-{fingerprint(cfg)}"
-
-
-def load_store(path: Path) -> tuple[Tokenizer, Dataset, Dataset, dict[str, Any]] | None:
-    """(tokenizer, train, valid, metadata) of a complete store, or None when there is none."""
-    meta_path = path / "meta.json"
-    if not meta_path.exists() and not meta_path.is_symlink():  # written last: marks a complete store
-        if path.is_dir() and any(path.iterdir()):  # a store is renamed into place whole: not one
-            raise CorpusError(
-                f"{path} exists but is not a token store (no meta.json): it is not tpe-data's to replace; "
-                "move or remove it yourself, or choose another data.store_dir"
-            )
-        return None
-    meta = members.read_json(path, "meta.json", {"vocab_hash": str}, members.MIB)
-    try:
-        tok = Tokenizer.from_str(members.read_text(path, "tokenizer.json"))
-    except Exception as err:  # the tokenizers library raises its own exception type
-        if isinstance(err, members.MemberError):
-            raise
-        raise members.MemberError(
-            f"{path / 'tokenizer.json'} is not a tokenizer ({err}); {members.FIX}"
-        ) from None
-    if meta.get("vocab_hash") != vocab_hash(tok):
-        raise ValueError(
-            f"the token store {path} is inconsistent (its tokenizer.json does not match meta.json); "
-            "delete the directory and prepare it again"
-        )
-    train, valid = (load_from_disk(str(_checked_split(path / name))) for name in ("train", "valid"))
-    assert isinstance(train, Dataset) and isinstance(valid, Dataset)
-    return tok, train, valid, meta
-
-
-def _checked_split(folder: Path) -> Path:
-    """A stored split whose ``state.json`` names only plain, regular files of the split's folder."""
-    state = members.read_json(folder, "state.json", {"_data_files": list}, members.MIB)
-    for entry in state["_data_files"]:
-        members.check_type(entry, dict, f"{folder / 'state.json'}: a data file", members.MemberError)
-        members.check_name(entry.get("filename"), folder / "state.json")
-        members.check_file(folder, entry["filename"])
-    members.check_file(folder, "dataset_info.json", members.MIB)
-    return folder
-
-
-@contextmanager
-def store_lock(path: Path) -> Iterator[None]:
-    """Hold the build lock of the store at ``path`` (``.<name>.lock`` beside it): of two processes
-    preparing one store (``tpe-study --jobs N``, a Slurm array), one builds while the other waits,
-    then finds the store complete and reuses it. ``flock`` also holds across the nodes of a cluster
-    file system that supports it (Lustre, GPFS, NFSv4 with locking); the lock file stays, empty."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path.with_name(f".{path.name}.lock"), "a") as lock:
-        try:
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            log.info("waiting for another process that prepares %s", path)
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
 
 
 def _fsync_tree(root: Path) -> None:

@@ -18,6 +18,7 @@ from tokenizers import (
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 SPECIALS = [PAD, BOS, EOS, UNK]  # ids 0, 1, 2, 3
+PAD_ID, BOS_ID, EOS_ID = 0, 1, 2  # what train_tokenizer guarantees
 
 
 def train_tokenizer(

@@ -30,8 +30,9 @@ from tokenizers import Tokenizer
 
 from tpe_train.ckpt.rundir import EVAL
 from tpe_train.config import DataConfig, EvalConfig
-from tpe_train.data.corpus import Splits, pairs_of, synthetic_splits, test_splits
-from tpe_train.data.sources import CorpusError, load_split, source_spec
+from tpe_train.data.sources import CorpusError, load_split
+from tpe_train.data.specs import corpus_spec, source_spec
+from tpe_train.data.splits import Splits, pairs_of, synthetic_splits, test_splits
 from tpe_train.data.synthetic import Pair
 from tpe_train.evaluation import metrics
 from tpe_train.evaluation.decoding import (
@@ -59,7 +60,7 @@ class TestSet:
 
 def config_sets(cfg: DataConfig, splits: Splits | None = None) -> list[TestSet]:
     """The config's test split (``data.test_split``), from ``splits`` when the corpus is loaded."""
-    s = splits if splits is not None else test_splits(cfg)
+    s = splits if splits is not None else test_splits(corpus_spec(cfg))
     return [TestSet(cfg.test_split, s.test, s.long, s.probe, s.pretokenized)]
 
 
@@ -67,7 +68,7 @@ def corpus_sets(cfg: DataConfig, names: Sequence[str]) -> list[TestSet]:
     """Named splits of the config's corpus, each a test set (``CorpusError`` for a missing one)."""
     if cfg.corpus != "synthetic":
         return [TestSet(name, pairs_of(load_split(source_spec(cfg), name))) for name in names]
-    splits = synthetic_splits(cfg)
+    splits = synthetic_splits(cfg.synthetic)
     known = {cfg.train_split: splits.train, cfg.valid_split: splits.valid}
     sets = []
     for name in names:

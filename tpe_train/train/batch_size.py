@@ -13,7 +13,7 @@ import torch
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.config import Config, ConfigError
 from tpe_train.data.batching import collate, length_arrays, model_args
-from tpe_train.data.corpus import Prepared
+from tpe_train.data.prepare import Prepared
 from tpe_train.model.build import build_model
 from tpe_train.parallel.batch import BatchPlan, estimated_micro_tokens, largest_fitting, micro_tokens, resolve
 from tpe_train.parallel.checkpointing import apply_activation_checkpointing

@@ -16,7 +16,8 @@ from torch import Tensor
 from torch.utils.tensorboard import SummaryWriter
 
 from tpe_train.config import Config, ConfigError
-from tpe_train.data.corpus import Prepared, pairs_of
+from tpe_train.data.prepare import Prepared
+from tpe_train.data.splits import pairs_of
 from tpe_train.evaluation.position_report import (
     DIAGNOSTIC_PAIRS,
     SHORT,

@@ -26,7 +26,8 @@ from tpe_train.ckpt.rundir import RunDir
 from tpe_train.ckpt.state import Checkpointer, Progress
 from tpe_train.ckpt.store import CheckpointError, check_compatible, resume_choice
 from tpe_train.config import Config
-from tpe_train.data.corpus import Prepared, TrainBatches, prepare
+from tpe_train.data.prepare import Prepared, prepare
+from tpe_train.data.train_batches import TrainBatches
 from tpe_train.parallel.batch import BatchPlan
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.deepspeed import ProcessLayout, deepspeed_config

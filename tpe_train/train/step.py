@@ -17,8 +17,8 @@ import torch
 
 from tpe_train.config import Config
 from tpe_train.data.batching import PAD_ID, Batch, BatchIterator, collate, length_arrays
-from tpe_train.data.corpus import pairs_of
 from tpe_train.data.lengths import fits
+from tpe_train.data.splits import pairs_of
 from tpe_train.evaluation import metrics
 from tpe_train.evaluation.decoding import DecodeOptions, decode_sentences
 from tpe_train.model.chunked_loss import ChunkedLoss, Score

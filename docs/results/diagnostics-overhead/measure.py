@@ -29,7 +29,7 @@ import torch
 from torch.utils.tensorboard import SummaryWriter
 
 from tpe_train.config import load_config
-from tpe_train.data.corpus import TrainBatches
+from tpe_train.data.train_batches import TrainBatches
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.deepspeed import resolve_layout
 from tpe_train.train import batch_size
