@@ -110,6 +110,18 @@ def test_text_corpus_streams_lazily_and_reports_misalignment(tmp_path) -> None: 
         list(stream_split(spec, "train"))
 
 
+def test_streaming_with_dedup_is_refused_when_the_config_loads() -> None:
+    """De-duplication needs the whole corpus: the config names both keys and the fix, before any work."""
+    from tpe_train.config import ConfigError, load_config
+
+    with pytest.raises(
+        ConfigError,
+        match=r"data.clean.dedup .*cannot stream.* data.clean.dedup=false or data.streaming=false",
+    ):
+        load_config("demo", ["data.streaming=true", "data.clean.dedup=true"])
+    assert load_config("demo", ["data.streaming=true"]).data.clean.dedup is False
+
+
 @pytest.mark.integration
 def test_training_streams_a_text_corpus_end_to_end(tmp_path) -> None:  # type: ignore[no-untyped-def]
     import subprocess
