@@ -4,7 +4,7 @@ files of N pairs, each size in a fresh process with its own store and ``datasets
 
     python benchmarks/bench_prepare.py --out /tmp/prep --sizes 1000000                # this tree
     python benchmarks/bench_prepare.py --out /tmp/prep --sizes 1000000 4000000 --old ../main
-    python benchmarks/bench_prepare.py --out /tmp/prep --sizes 1000000 --old ../main --stages  # read+clean
+    python benchmarks/bench_prepare.py --out /tmp/prep --sizes 1000000 --old ../main --stages  # by stage
     python benchmarks/bench_prepare.py --smoke --json out.json                         # seconds
 
 The corpus (``OUT/corpus-N/{train,validation,test}.{en,de}``, not committed): two generated languages
@@ -22,6 +22,7 @@ corpus in Python objects.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -94,7 +95,7 @@ def prepare(tree: Path, corpus: Path, work: Path, args: argparse.Namespace) -> d
     cmd = [sys.executable, "-m", "tpe_train.data.cli", "prepare", "--preset", "demo"]
     cmd += ["data.corpus=text", f"data.path={corpus}", f"data.store_dir={store}", "data.max_len=256"]
     cmd += [f"data.vocab_size={args.vocab}", f"data.tokenizer_sample={args.sample}", "data.clean.dedup=true"]
-    r = run_sampled(cmd, env)
+    r = run_sampled(cmd, env, cwd=tree)  # -m puts the working folder first on the path: the tree's own
     if r.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.out[-3000:]}")
     lines = [line.removeprefix("tpe-data: ") for line in r.out.splitlines()]
@@ -111,36 +112,59 @@ def prepare(tree: Path, corpus: Path, work: Path, args: argparse.Namespace) -> d
 
 
 STAGES = """
-import resource, sys, time
+import json, resource, sys, time
 from tpe_train.data.clean import CleanSpec, clean
 from tpe_train.data.sources import SourceSpec, load_split
-spec = SourceSpec(kind="text", src_lang="en", tgt_lang="de", path=sys.argv[1])
-t0 = time.perf_counter()
-ds = load_split(spec, "train")
-t1 = time.perf_counter()
-kept, dropped = clean(ds, CleanSpec(dedup=True))
-t2 = time.perf_counter()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-print(f"read {t1 - t0:.1f} s, clean + de-duplicate {t2 - t1:.1f} s, kept {len(kept)},",
-      f"duplicates {dropped['duplicate']}, peak RSS {peak:.3f} GiB")
+try:
+    from tpe_train.data.dedup import first_of_each  # the pipeline's de-duplication stage
+except ImportError:  # an older tree: de-duplication inside clean (one figure for both)
+    first_of_each = None
+out, start = {"dedup_s": None}, time.perf_counter()
+def done(stage):  # its time, and the process's peak RSS so far
+    global start
+    out[f"{stage}_s"] = round(time.perf_counter() - start, 1)
+    out["peak_rss_gib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 3)
+    out[f"{stage}_peak_rss_gib"], start = out["peak_rss_gib"], time.perf_counter()
+ds = load_split(SourceSpec(kind="text", src_lang="en", tgt_lang="de", path=sys.argv[1]), "train")
+done("read")
+if first_of_each is None:
+    kept, dropped = clean(ds, CleanSpec(dedup=True))
+    duplicates = dropped["duplicate"]
+    done("clean")
+else:
+    kept, _ = clean(ds, CleanSpec())
+    done("clean")
+    kept, duplicates = first_of_each(kept)
+    done("dedup")
+print(json.dumps({**out, "kept": len(kept), "duplicates": duplicates}))
 """
 
 
 def stages(tree: Path, corpus: Path, work: Path) -> dict[str, object]:
-    """Reading and cleaning with de-duplication only (no tokenizer): the steps that held the corpus."""
+    """Read, clean and de-duplicate only (no tokenizer), each timed, with the process's peak RSS after
+    each: the steps that held the corpus. A tree from before de-duplication was a stage of its own
+    gives one figure for clean and de-duplicate (``dedup_s`` null)."""
     shutil.rmtree(work, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": str(tree), "HF_DATASETS_CACHE": str(work), "OMP_NUM_THREADS": "1"}
-    r = run_sampled([sys.executable, "-c", STAGES, str(corpus)], env)
+    r = run_sampled([sys.executable, "-c", STAGES, str(corpus)], env, cwd=tree)  # as in prepare()
     shutil.rmtree(work, ignore_errors=True)
     if r.returncode != 0:
         sys.exit(f"stages failed ({r.returncode}):\n{r.out[-3000:]}")
-    line = r.out.strip().splitlines()[-1]
     return {
         "wall_s": round(r.wall_s, 1),
         "peak_pss_gib": round(r.peak_pss / GIB, 3),
         "peak_anon_gib": round(r.peak_anon / GIB, 3),
-        "result": line,
+        **json.loads(r.out.strip().splitlines()[-1]),
     }
+
+
+def _stage_line(name: str, pairs: int, row: dict[str, object]) -> str:
+    dedup = "in clean" if row["dedup_s"] is None else f"{row['dedup_s']} s"
+    return (
+        f"{name:<10} {pairs:>10,} read {row['read_s']} s, clean {row['clean_s']} s, dedup {dedup}; "
+        f"kept {row['kept']:,}, duplicates {row['duplicates']:,}; peak RSS {row['peak_rss_gib']} GiB, "
+        f"sampled PSS {row['peak_pss_gib']} GiB, anon {row['peak_anon_gib']} GiB"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -154,8 +178,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sample", type=int, default=100_000, help="data.tokenizer_sample")
     parser.add_argument("--threads", type=int, default=2, help="tokenizers' threads")
     parser.add_argument("--json", type=Path, help="write the figures here")
-    parser.add_argument("--stages", action="store_true", help="read + clean + de-duplicate only")
+    parser.add_argument("--stages", action="store_true", help="read, clean, de-duplicate only, each timed")
     args = parse_with_smoke(parser, argv, {"sizes": [3000], "vocab": 300, "sample": 1000, "threads": 1})
+    args.out = args.out.resolve()  # the children run in the tree they measure
     trees = {"this tree": ROOT} | ({"old": args.old.resolve()} if args.old else {})
     rows = []
     for i, pairs in enumerate(args.sizes):
@@ -168,10 +193,7 @@ def main(argv: list[str] | None = None) -> None:
             if args.stages:
                 row = stages(tree, corpus, args.out / f"work-{pairs}")
                 rows.append({"tree": name, "pairs": pairs, **row})
-                print(
-                    f"{name:<10} {pairs:>10,} wall {row['wall_s']} s, peak PSS {row['peak_pss_gib']} GiB, "
-                    f"anon {row['peak_anon_gib']} GiB: {row['result']}"
-                )
+                print(_stage_line(name, pairs, row))
                 continue
             row = prepare(tree, corpus, args.out / f"work-{pairs}", args)
             rows.append({"tree": name, "pairs": pairs, "pairs_per_s": round(pairs / row["wall_s"]), **row})

@@ -534,13 +534,23 @@ class Sampled:
 
 
 def run_sampled(
-    cmd: list[str], env: dict[str, str], preexec_fn: Callable[[], None] | None = None, every: float = 1.0
+    cmd: list[str],
+    env: dict[str, str],
+    preexec_fn: Callable[[], None] | None = None,
+    every: float = 1.0,
+    cwd: Path | None = None,
 ) -> Sampled:
-    """Run ``cmd``, sampling its process tree's memory (``tree_memory``) every ``every`` seconds:
-    reading smaps_rollup walks the page tables (~40 ms a process)."""
+    """Run ``cmd`` (in ``cwd``), sampling its process tree's memory (``tree_memory``) every ``every``
+    seconds: reading smaps_rollup walks the page tables (~40 ms a process)."""
     start = time.perf_counter()
     proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, preexec_fn=preexec_fn
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        preexec_fn=preexec_fn,
+        cwd=cwd,
     )
     peak = [0, 0]
     done = threading.Event()
