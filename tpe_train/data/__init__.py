@@ -1,4 +1,5 @@
-"""Corpus sources, cleaning, the synthetic corpus, the joint tokenizer and token batches."""
+"""The data layer: preparation as one pipeline (prepare.py: read, clean, de-duplicate, tokenise, store),
+the synthetic corpus, the joint tokenizer and token batches."""
 
 import datasets
 
