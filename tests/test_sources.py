@@ -64,6 +64,14 @@ def test_save_to_disk_directory(tmp_path: Path) -> None:
         load_split(spec("disk", tmp_path / "saved"), "test")
 
 
+def test_a_folder_save_to_disk_did_not_write_is_a_corpus_error(tmp_path: Path) -> None:
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "notes.txt").write_text("mine\n")
+    with pytest.raises(CorpusError, match=r"is not a folder written by save_to_disk") as caught:
+        load_split(spec("disk", tmp_path / "saved"), "train")
+    assert type(caught.value) is CorpusError  # was datasets' FileNotFoundError
+
+
 @pytest.mark.parametrize("gz", [False, True])
 def test_text_pairs_plain_and_gzipped(tmp_path: Path, gz: bool) -> None:
     for lang, side in (("en", 0), ("de", 1)):

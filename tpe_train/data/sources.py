@@ -23,6 +23,7 @@ from datasets.exceptions import DatasetGenerationError
 
 from tpe_train.config import DataConfig
 from tpe_train.data.errors import CorpusError
+from tpe_train.data.saved import load_saved, saved_splits
 from tpe_train.data.textfiles import check_aligned, line_pairs, stamp, write_arrow
 from tpe_train.run.atomic import temp_name
 
@@ -160,17 +161,18 @@ def _parquet(spec: SourceSpec, split: str) -> Dataset:
 
 
 def _disk(spec: SourceSpec, split: str) -> Dataset:
+    """A ``save_to_disk`` folder of one Dataset or of a DatasetDict (data/saved.py reads it)."""
     path = Path(spec.path)
     if not path.exists():
         raise CorpusError(f"{path} does not exist; set data.path to a directory written by save_to_disk")
-    loaded = datasets.load_from_disk(str(path))
-    if isinstance(loaded, datasets.DatasetDict):
-        if split not in loaded:
-            raise CorpusError(
-                f"{path} has no split {split!r} (it has {', '.join(loaded)}); set the split names"
-            )
-        loaded = loaded[split]
-    return _from_translation(loaded, spec, f"{path} ({split})")
+    fix = f"save the corpus again with save_to_disk, or point data.path at another copy of {path}"
+    splits = saved_splits(path, CorpusError, fix)
+    if splits is not None:
+        if split not in splits:
+            has = ", ".join(splits) or "none"
+            raise CorpusError(f"{path} has no split {split!r} (it has {has}); set the split names")
+        path = path / split
+    return _from_translation(load_saved(path, CorpusError, fix), spec, f"{spec.path} ({split})")
 
 
 def _text_file(path: Path) -> Path:
