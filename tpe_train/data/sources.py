@@ -23,6 +23,7 @@ from datasets.exceptions import DatasetGenerationError
 
 from tpe_train.config import DataConfig
 from tpe_train.data.errors import CorpusError
+from tpe_train.data.parquet_stream import damaged_file, stream_parquet
 from tpe_train.data.saved import load_saved, saved_splits
 from tpe_train.data.textfiles import check_aligned, line_pairs, stamp, write_arrow
 from tpe_train.run.atomic import temp_name
@@ -138,7 +139,7 @@ def _check_parquet(path: Path) -> None:
     """Stop when ``path``'s footer (its schema and row groups) cannot be read: not a parquet file."""
     try:
         pq.read_metadata(path)
-    except (pa.ArrowException, OSError) as err:
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as err:  # a column name that is not UTF-8
         raise CorpusError(
             f"{path} is not a readable parquet file ({' '.join(str(err).split())[:200]}); download or "
             f"write it again, or move it out of {path.parent}"
@@ -151,12 +152,14 @@ def _parquet(spec: SourceSpec, split: str) -> Dataset:
         ds = datasets.load_dataset(
             "parquet", data_files={split: files}, split=split, cache_dir=spec.cache_dir or None
         )
-    except DatasetGenerationError as err:  # a damaged page inside a file whose footer reads
+        assert isinstance(ds, Dataset)
+        ds.data.validate(full=True)  # text of a damaged page that is not UTF-8 converts: found here
+    except (DatasetGenerationError, pa.ArrowInvalid) as err:  # a damaged page, the footer reading
+        damaged_file(files)  # names the file, where it can
         raise CorpusError(
             f"the parquet files of split {split!r} in {Path(files[0]).parent} cannot be read "
             f"({' '.join(str(err.__cause__ or err).split())[:200]}); download or write them again"
         ) from None
-    assert isinstance(ds, Dataset)
     return _from_translation(ds, spec, f"{Path(files[0]).parent}/{split}-*.parquet")
 
 
@@ -215,9 +218,8 @@ def stream_split(spec: SourceSpec, split: str) -> IterableDataset:
         ds = datasets.load_dataset(
             spec.hub_id, spec.config_name, split=split, streaming=True, cache_dir=spec.cache_dir or None
         )
-    elif spec.kind == "parquet":
-        files = parquet_files(spec, split)
-        ds = datasets.load_dataset("parquet", data_files={split: files}, split=split, streaming=True)
+    elif spec.kind == "parquet":  # datasets' own streamed reader lets pyarrow's errors out: see there
+        return stream_parquet(parquet_files(spec, split), spec.src_lang, spec.tgt_lang)
     elif spec.kind == "disk":
         ds = _disk(spec, split).to_iterable_dataset(num_shards=8)
     elif spec.kind == "text":
