@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from datasets import Dataset
+from datasets import Dataset, Features, Sequence, Value
 from support.stops import Stopped, Stops, instrumented
 from tokenizers import Tokenizer
 from tokenizers.models import WordLevel
@@ -249,11 +249,19 @@ def test_an_export_stopped_at_any_write_keeps_the_old_one_or_is_the_new_one_whol
 
 def test_a_token_store_stopped_at_any_write_is_absent_or_whole_and_builds_next(tmp_path: Path) -> None:
     tok = tiny_tokenizer()
-    train = Dataset.from_dict({"src": [[1, 2], [2]], "tgt": [[2], [1, 1]]})
-    valid = Dataset.from_dict({"src": [[1]], "tgt": [[2]]})
+    ids = Sequence(Value("uint16"))
+    columns = {"id": Value("int64"), "src_ids": ids, "tgt_ids": ids, "src_len": Value("int32")}
+    features = Features({**columns, "tgt_len": Value("int32")})  # a store's columns (load_store checks them)
+
+    def pairs(src: list[list[int]], tgt: list[list[int]]) -> Dataset:
+        lengths = {"src_len": [len(s) for s in src], "tgt_len": [len(t) for t in tgt]}
+        rows = {"id": list(range(len(src))), "src_ids": src, "tgt_ids": tgt, **lengths}
+        return Dataset.from_dict(rows, features=features)
+
+    train, valid = pairs([[1, 2], [2]], [[2], [1, 1]]), pairs([[1]], [[2]])
 
     def build(path: Path) -> Callable[[], Any]:
-        return lambda: write_store(path, tok, train, valid, {"corpus": "tiny"})
+        return lambda: write_store(path, tok, train, valid, {"dropped_too_long": 0, "report": []})
 
     other = tmp_path / "stores" / "kept"
     build(other)()
@@ -267,7 +275,7 @@ def test_a_token_store_stopped_at_any_write_is_absent_or_whole_and_builds_next(t
         assert sorted(p.name for p in path.parent.iterdir() if is_temp(p)) == [], f"stop point {k}"
         build(path)()
         loaded = load_store(path)
-        assert loaded is not None and loaded[1]["src"] == [[1, 2], [2]]
+        assert loaded is not None and loaded[1]["src_ids"] == [[1, 2], [2]]
     log.info("token store: %d stop points", n)
 
 

@@ -3,11 +3,13 @@
 Corpus text files (plain and ``.gz``: invalid UTF-8, NULs, carriage returns, encoded surrogates,
 truncated or forged gzip), and every file of a real tiny checkpoint and its export (``manifest.json``,
 ``index.json``, ``trainer.json``, ``config.yaml``, ``tokenizer.json``, ``latest``, a safetensors file's
-header, ``meta.json``, the export's weights) replaced by random bytes, random JSON, or the real JSON with
-one value replaced. A reader either reads the file or raises ``CorpusError`` / ``CheckpointError`` /
-``MemberError`` / ``ConfigError`` (checked by exact class), never a library's ``UnicodeDecodeError``,
-``EOFError``, ``zlib.error``, ``RecursionError`` or ``KeyError``. Examples are derandomized: the same
-ones each run (``EXAMPLES`` in all)."""
+header, ``meta.json``, the export's weights), and the output marker of its native, HF and CTranslate2
+exports (``.tpe-output.json``: the one file of an HF or CTranslate2 export that tpe-train reads back)
+replaced by random bytes, random JSON, or the real JSON with one value replaced. A reader either reads
+the file or raises ``CorpusError`` / ``CheckpointError`` / ``MemberError`` / ``ConfigError`` /
+``OutputRefused`` (checked by exact class), never a library's ``UnicodeDecodeError``, ``EOFError``,
+``zlib.error``, ``RecursionError``, ``KeyError`` or ``TypeError``. Examples are derandomized: the same
+ones each run (``EXAMPLES`` here; the data folders' in tests/test_reader_fuzz_data.py)."""
 
 from __future__ import annotations
 
@@ -19,24 +21,27 @@ import struct
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
-from hypothesis import event, example, given, settings
+from hypothesis import example, given
 from hypothesis import strategies as st
+from test_reader_fuzz_data import EXAMPLES as DATA_EXAMPLES
 
+from tests.support.fuzz import PARQUET, contents, damaged_parquet, drawn, fuzz, gzipped, outcome, raw
 from tests.support.models import TINY_RUN
+from tpe_train.ckpt import cli as ckpt_cli
 from tpe_train.ckpt import export, shards, state, store
 from tpe_train.ckpt.errors import CheckpointError, UnknownFormat
+from tpe_train.ckpt.rundir import RunDir
 from tpe_train.config import Config, ConfigError, validate
 from tpe_train.data.check import scan_file
 from tpe_train.data.errors import CorpusError
 from tpe_train.data.sources import SourceSpec, load_split
 from tpe_train.data.textfiles import check_aligned, count_lines, line_pairs, raw_lines
 from tpe_train.run.members import MemberError
+from tpe_train.run.outputs import MARKER, OutputRefused, check_output, record
 
 pytestmark = pytest.mark.integration  # the checkpoint is made by the real tpe-train
 
@@ -48,110 +53,10 @@ FILE_EXAMPLES = 40  # per checkpoint or export file
 CKPT_FILES = ("manifest.json", "index.json", "trainer.json", "config.yaml", "tokenizer.json", "latest")
 EXPORT_FILES = ("meta.json", "config.yaml", "tokenizer.json", "model.safetensors")
 FILES = len(CKPT_FILES) + 1 + len(EXPORT_FILES)  # with the safetensors header
-EXAMPLES = CORPUS_EXAMPLES + PAIR_EXAMPLES + PARQUET_EXAMPLES + FILE_EXAMPLES * FILES
+MARKER_EXAMPLES = 20  # per export format: native, hf, ctranslate2 (export.KINDS)
+READERS = CORPUS_EXAMPLES + PAIR_EXAMPLES + PARQUET_EXAMPLES + FILE_EXAMPLES * FILES
+EXAMPLES = READERS + MARKER_EXAMPLES * len(export.KINDS)
 CKPT_ERRORS = (CheckpointError, shards.ShardError, UnknownFormat, MemberError, ConfigError)
-
-
-def fuzz(examples: int) -> settings:
-    """Hypothesis settings: ``examples`` examples, the same ones each run, no time limit per example."""
-    return settings(max_examples=examples, deadline=None, derandomize=True, database=None)
-
-
-# -- random contents ---------------------------------------------------------------------------------
-SPECIAL = [
-    b"\n",
-    b"\r",
-    b"\r\n",
-    b"\x00",
-    b"\xef\xbb\xbf",  # a byte-order mark
-    b"\xed\xa0\x80",  # an encoded lone surrogate
-    b"\xff",
-    b"\xc3",  # a truncated two-byte sequence
-    b"\x1f\x8b\x08\x00",  # a gzip header
-    b"caf\xc3\xa9",
-    b"line",
-]
-pieces = st.lists(st.sampled_from(SPECIAL) | st.binary(max_size=8), max_size=24).map(b"".join)
-raw = st.binary(max_size=300) | pieces
-
-
-@st.composite
-def gzipped(draw: st.DrawFn) -> bytes:
-    """A gzip stream of random text, cut short, with a byte flipped, or with bytes appended."""
-    whole = gzip.compress(draw(pieces), mtime=0)
-    how = draw(st.sampled_from(["whole", "cut", "flip", "tail", "header"]))
-    if how == "cut":
-        return whole[: draw(st.integers(0, len(whole) - 1))]
-    if how == "flip":
-        at = draw(st.integers(0, len(whole) - 1))
-        return whole[:at] + bytes([whole[at] ^ draw(st.integers(1, 255))]) + whole[at + 1 :]
-    if how == "tail":
-        return whole + draw(st.binary(min_size=1, max_size=16))
-    if how == "header":
-        return b"\x1f\x8b" + draw(st.binary(max_size=40))
-    return whole
-
-
-json_values = st.recursive(
-    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12),
-    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=10), inner, max_size=4),
-    max_leaves=16,
-)
-
-
-def _paths(value: Any, prefix: tuple[Any, ...] = (), depth: int = 0) -> Iterator[tuple[Any, ...]]:
-    """Every place inside ``value`` (keys and list positions), down to ``depth`` 4."""
-    if depth > 4:
-        return
-    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
-    for key, inner in items:
-        yield (*prefix, key)
-        yield from _paths(inner, (*prefix, key), depth + 1)
-
-
-@st.composite
-def mutated(draw: st.DrawFn, original: Any) -> bytes:
-    """``original`` with one value (or a key's name) replaced by random JSON, as bytes."""
-    value = json.loads(json.dumps(original))
-    places = list(_paths(value))
-    if not places:
-        return json.dumps(draw(json_values)).encode()
-    place = draw(st.sampled_from(places))
-    holder = value
-    for key in place[:-1]:
-        holder = holder[key]
-    if isinstance(holder, dict) and draw(st.booleans()):
-        holder[draw(st.text(max_size=12))] = holder.pop(place[-1])
-    else:
-        holder[place[-1]] = draw(json_values)
-    return json.dumps(value).encode()
-
-
-def contents(original: bytes) -> st.SearchStrategy[bytes]:
-    """Random replacements for a file whose real contents are ``original``."""
-    options = raw | json_values.map(lambda v: json.dumps(v).encode())
-    try:
-        options = options | mutated(json.loads(original))
-    except ValueError:
-        options = options | st.builds(lambda cut: original[:cut], st.integers(0, len(original)))
-    return options
-
-
-def drawn(data: st.DataObject, name: str, original: bytes) -> bytes:
-    return data.draw(contents(original), label=name)
-
-
-def outcome(read: Callable[[], Any], allowed: tuple[type[Exception], ...]) -> str:
-    """``read()``'s result kind: "read", or the name of an allowed error class (any other escapes)."""
-    try:
-        read()
-    except Exception as err:
-        assert type(err) in allowed, f"{type(err).__name__}: {err}"
-        assert str(err), "an error without a message"
-        event(type(err).__name__)  # shown by pytest --hypothesis-show-statistics
-        return type(err).__name__
-    event("read")
-    return "read"
 
 
 # -- corpus text files -------------------------------------------------------------------------------
@@ -193,31 +98,6 @@ def test_a_pair_of_random_sides_reads_aligned_or_gives_a_corpus_error(
             assert all(isinstance(p["src"], str) and isinstance(p["tgt"], str) for p in pairs)
 
         outcome(read, (CorpusError,))
-
-
-def _parquet_bytes() -> bytes:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    sink = pa.BufferOutputStream()
-    pq.write_table(pa.table({"src": ["ein haus", "die katze"], "tgt": ["a house", "the cat"]}), sink)
-    return bytes(sink.getvalue().to_pybytes())
-
-
-PARQUET = _parquet_bytes()
-
-
-@st.composite
-def damaged_parquet(draw: st.DrawFn) -> bytes:
-    """A real parquet file cut short, with bytes overwritten, or random bytes between the magic."""
-    how = draw(st.sampled_from(["cut", "overwrite", "magic"]))
-    if how == "cut":
-        return PARQUET[: draw(st.integers(0, len(PARQUET) - 1))]
-    if how == "overwrite":
-        at = draw(st.integers(0, len(PARQUET) - 1))
-        patch = draw(st.binary(min_size=1, max_size=12))
-        return PARQUET[:at] + patch + PARQUET[at + len(patch) :]
-    return b"PAR1" + draw(raw) + b"PAR1"
 
 
 @fuzz(PARQUET_EXAMPLES)
@@ -348,6 +228,46 @@ def test_an_export_file_of_random_bytes_gives_a_checkpoint_error(
         outcome(lambda: export.load_export(out), CKPT_ERRORS)
 
 
+@pytest.fixture(scope="module")
+def exports(made: Path) -> dict[str, Path]:
+    """The run's own export and its HF and CTranslate2 exports (``tpe-ckpt export --format``), by format."""
+    found = {"native": made / "checkpoint"}
+    for fmt in ("hf", "ctranslate2"):
+        found[fmt] = made.parent / fmt
+        assert ckpt_cli.main(["export", str(made), "--out", str(found[fmt]), "--format", fmt]) == 0
+    return found
+
+
+def replace_output(out: Path, fmt: str) -> None:
+    """What reads an export's marker: a later export to the same ``--out`` (``check_output``), and
+    ``tpe-eval --out`` adding its files to a native export (``record``)."""
+    if fmt == "native":
+        export.check_export_out(out, ckpt_cli.COMMAND)
+        record(out, ["eval.json"], "tpe-eval")
+    else:
+        check_output(out, ckpt_cli.COMMAND, export.KINDS[fmt], protected=RunDir.what)
+
+
+@pytest.mark.parametrize("fmt", export.KINDS)
+@fuzz(MARKER_EXAMPLES)
+@given(data=st.data())
+@example(data=None).via("a marker whose 'also' is a number")
+def test_an_export_marker_of_random_bytes_gives_an_output_refused(
+    exports: dict[str, Path], fmt: str, data: st.DataObject | None
+) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / fmt
+        shutil.copytree(exports[fmt], out)
+        real = (out / MARKER).read_bytes()
+        new = (
+            json.dumps({**json.loads(real), "also": 1}).encode()
+            if data is None
+            else drawn(data, MARKER, real)
+        )
+        (out / MARKER).write_bytes(new)
+        outcome(lambda: replace_output(out, fmt), (OutputRefused,))
+
+
 @pytest.mark.parametrize("where", ["manifest", "index", "meta"])
 def test_a_file_name_holding_a_lone_surrogate_is_refused_before_any_open(made: Path, where: str) -> None:
     """JSON can escape a lone surrogate (``"\\ud800"``), which no file name can hold: the readers refuse
@@ -379,4 +299,4 @@ def test_a_file_name_holding_a_lone_surrogate_is_refused_before_any_open(made: P
 def test_the_example_count_is_what_the_docs_say() -> None:
     """docs/reliability.md states the number of random examples these tests run."""
     docs = (Path(__file__).parents[1] / "docs" / "reliability.md").read_text()
-    assert f"{EXAMPLES:,} random examples" in docs
+    assert f"{EXAMPLES + DATA_EXAMPLES:,} random examples" in docs

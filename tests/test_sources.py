@@ -66,6 +66,62 @@ def test_save_to_disk_directory(tmp_path: Path) -> None:
         load_split(spec("disk", tmp_path / "saved"), "test")
 
 
+def test_a_folder_save_to_disk_did_not_write_is_a_corpus_error(tmp_path: Path) -> None:
+    (tmp_path / "saved").mkdir()
+    (tmp_path / "saved" / "notes.txt").write_text("mine\n")
+    with pytest.raises(CorpusError, match=r"is not a folder written by save_to_disk") as caught:
+        load_split(spec("disk", tmp_path / "saved"), "train")
+    assert type(caught.value) is CorpusError  # was datasets' FileNotFoundError
+
+
+def _damaged_page(path: Path, text: str) -> None:
+    """Overwrite ``text`` where a data page of the parquet file ``path`` holds it (the footer reads)."""
+    data = path.read_bytes()
+    at = data.index(text.encode())  # the first copy: the page's values, before the footer's statistics
+    path.write_bytes(data[:at] + b"\xff" * len(text) + data[at + len(text) :])
+
+
+def test_a_damaged_page_names_its_file_read_whole_or_streamed(tmp_path: Path) -> None:
+    from tpe_train.data.sources import stream_split
+
+    write_hub_layout(tmp_path, "train", PAIRS, shards=3)
+    damaged = tmp_path / "de-en" / "train-00001-of-00003.parquet"
+    _damaged_page(damaged, PAIRS[1][0])
+    for read in (lambda: load_split(spec("parquet", tmp_path), "train"),
+                 lambda: list(stream_split(spec("parquet", tmp_path), "train"))):  # fmt: skip
+        with pytest.raises(CorpusError) as caught:
+            read()
+        assert type(caught.value) is CorpusError  # streamed: was pyarrow's ArrowInvalid while iterating
+        assert f"{damaged}: row group 0 cannot be read" in str(caught.value)
+
+
+def test_a_streamed_pair_with_a_missing_side_names_the_file(tmp_path: Path) -> None:
+    from tpe_train.data.sources import stream_split
+
+    path = tmp_path / "train-00000-of-00001.parquet"
+    pq.write_table(pa.table({"src": ["a", "b"], "tgt": ["x", None]}), path)
+    with pytest.raises(CorpusError, match=r"row group 0 has a pair with a missing \(null\) side") as caught:
+        list(stream_split(spec("parquet", tmp_path), "train"))
+    assert type(caught.value) is CorpusError and str(path) in str(caught.value)
+
+
+def test_a_parquet_split_streams_the_pairs_it_reads_whole_one_shard_per_row_group(tmp_path: Path) -> None:
+    from datasets.distributed import split_dataset_by_node
+
+    from tpe_train.data.sources import stream_split
+
+    pairs = [(f"sentence {i}", f"Satz {i}") for i in range(30)]
+    write_hub_layout(tmp_path, "train", pairs, shards=3)
+    whole = load_split(spec("parquet", tmp_path), "train")
+    streamed = stream_split(spec("parquet", tmp_path), "train")
+    assert streamed.n_shards == 3 and streamed.column_names == ["src", "tgt"]
+    rows = [(r["src"], r["tgt"]) for r in streamed]
+    assert sorted(rows) == sorted(zip(whole["src"], whole["tgt"], strict=True)) == sorted(pairs)
+    ranks = [[r["src"] for r in split_dataset_by_node(streamed, rank=k, world_size=3)] for k in range(3)]
+    assert sorted(s for rank in ranks for s in rank) == sorted(p[0] for p in pairs)
+    assert all(len(rank) == 10 for rank in ranks)  # whole row groups per rank
+
+
 @pytest.mark.parametrize("gz", [False, True])
 def test_text_pairs_plain_and_gzipped(tmp_path: Path, gz: bool) -> None:
     for lang, side in (("en", 0), ("de", 1)):

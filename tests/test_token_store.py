@@ -122,3 +122,30 @@ def test_preparing_leaves_no_map_caches_and_keeps_the_corpus_files(tmp_path: Pat
     assert disk.built and len(disk.train) == 240
     after = {str(p.relative_to(saved)): p.read_bytes() for p in sorted(saved.rglob("*")) if p.is_file()}
     assert after == before  # the user's corpus untouched, and no cache file left beside it
+
+
+def test_a_stored_split_whose_offsets_point_past_its_data_is_refused_not_read(tmp_path: Path) -> None:
+    """A byte changed in an Arrow file's list offsets: ``load_from_disk`` loads it and reading its rows
+    crashed the process (a segmentation fault); the store's loader validates the offsets first."""
+    import struct
+
+    import pyarrow as pa
+
+    from tpe_train.data.store_open import load_store
+    from tpe_train.run.members import MemberError
+
+    store = prepare(cfg(tmp_path)).store
+    path = store / "train" / "data-00000-of-00001.arrow"
+    data = bytearray(path.read_bytes())
+    whole = pa.py_buffer(bytes(data))
+    offsets = pa.ipc.open_stream(pa.BufferReader(whole)).read_all().column("src_ids").chunk(0).buffers()[1]
+    at = offsets.address - whole.address + 4 * 2  # the second pair's end: past every id
+    data[at : at + 4] = struct.pack("<i", 10**8)
+    path.write_bytes(bytes(data))
+    with pytest.raises(MemberError) as caught:
+        load_store(store)
+    assert type(caught.value) is MemberError
+    said = str(caught.value)
+    assert (
+        f"{path} is not a readable Arrow file" in said and f"delete {store} and run tpe-data prepare" in said
+    )

@@ -24,6 +24,8 @@ from datasets import Dataset, IterableDataset
 from datasets.exceptions import DatasetGenerationError
 
 from tpe_train.data.errors import CorpusError
+from tpe_train.data.parquet_stream import damaged_file, stream_parquet
+from tpe_train.data.saved import load_saved, saved_splits
 from tpe_train.data.textfiles import check_aligned, line_pairs, stamp, write_arrow
 from tpe_train.run.atomic import temp_name
 
@@ -124,7 +126,7 @@ def _check_parquet(path: Path) -> None:
     """Stop when ``path``'s footer (its schema and row groups) cannot be read: not a parquet file."""
     try:
         pq.read_metadata(path)
-    except (pa.ArrowException, OSError) as err:
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as err:  # a column name that is not UTF-8
         raise CorpusError(
             f"{path} is not a readable parquet file ({' '.join(str(err).split())[:200]}); download or "
             f"write it again, or move it out of {path.parent}"
@@ -137,27 +139,30 @@ def _parquet(spec: SourceSpec, split: str) -> Dataset:
         ds = datasets.load_dataset(
             "parquet", data_files={split: files}, split=split, cache_dir=spec.cache_dir or None
         )
-    except DatasetGenerationError as err:  # a damaged page inside a file whose footer reads
+        assert isinstance(ds, Dataset)
+        ds.data.validate(full=True)  # text of a damaged page that is not UTF-8 converts: found here
+    except (DatasetGenerationError, pa.ArrowInvalid) as err:  # a damaged page, the footer reading
+        damaged_file(files)  # names the file, where it can
         raise CorpusError(
             f"the parquet files of split {split!r} in {Path(files[0]).parent} cannot be read "
             f"({' '.join(str(err.__cause__ or err).split())[:200]}); download or write them again"
         ) from None
-    assert isinstance(ds, Dataset)
     return _from_translation(ds, spec, f"{Path(files[0]).parent}/{split}-*.parquet")
 
 
 def _disk(spec: SourceSpec, split: str) -> Dataset:
+    """A ``save_to_disk`` folder of one Dataset or of a DatasetDict (data/saved.py reads it)."""
     path = Path(spec.path)
     if not path.exists():
         raise CorpusError(f"{path} does not exist; set data.path to a directory written by save_to_disk")
-    loaded = datasets.load_from_disk(str(path))
-    if isinstance(loaded, datasets.DatasetDict):
-        if split not in loaded:
-            raise CorpusError(
-                f"{path} has no split {split!r} (it has {', '.join(loaded)}); set the split names"
-            )
-        loaded = loaded[split]
-    return _from_translation(loaded, spec, f"{path} ({split})")
+    fix = f"save the corpus again with save_to_disk, or point data.path at another copy of {path}"
+    splits = saved_splits(path, CorpusError, fix)
+    if splits is not None:
+        if split not in splits:
+            has = ", ".join(splits) or "none"
+            raise CorpusError(f"{path} has no split {split!r} (it has {has}); set the split names")
+        path = path / split
+    return _from_translation(load_saved(path, CorpusError, fix), spec, f"{spec.path} ({split})")
 
 
 def _text_file(path: Path) -> Path:
@@ -200,9 +205,8 @@ def stream_split(spec: SourceSpec, split: str) -> IterableDataset:
         ds = datasets.load_dataset(
             spec.hub_id, spec.config_name, split=split, streaming=True, cache_dir=spec.cache_dir or None
         )
-    elif spec.kind == "parquet":
-        files = parquet_files(spec, split)
-        ds = datasets.load_dataset("parquet", data_files={split: files}, split=split, streaming=True)
+    elif spec.kind == "parquet":  # datasets' own streamed reader lets pyarrow's errors out: see there
+        return stream_parquet(parquet_files(spec, split), spec.src_lang, spec.tgt_lang)
     elif spec.kind == "disk":
         ds = _disk(spec, split).to_iterable_dataset(num_shards=8)
     elif spec.kind == "text":

@@ -11,10 +11,12 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-from datasets import Dataset, load_from_disk
+import pyarrow as pa
+from datasets import Dataset
 from tokenizers import Tokenizer
 
 from tpe_train.data.errors import CorpusError
+from tpe_train.data.saved import load_saved
 from tpe_train.data.tokenizer import vocab_hash
 from tpe_train.run import members
 
@@ -22,7 +24,9 @@ log = logging.getLogger(__name__)
 
 
 def load_store(path: Path) -> tuple[Tokenizer, Dataset, Dataset, dict[str, Any]] | None:
-    """(tokenizer, train, valid, metadata) of a complete store, or None when there is none."""
+    """(tokenizer, train, valid, metadata) of a complete store, or None when there is none. A damaged
+    store is a ``MemberError`` naming the file and telling to delete the store: it is never deleted here,
+    as other ranks or jobs may be reading it, and a read error may pass."""
     meta_path = path / "meta.json"
     if not meta_path.exists() and not meta_path.is_symlink():  # written last: marks a complete store
         if path.is_dir() and any(path.iterdir()):  # a store is renamed into place whole: not one
@@ -31,34 +35,59 @@ def load_store(path: Path) -> tuple[Tokenizer, Dataset, Dataset, dict[str, Any]]
                 "move or remove it yourself, or choose another data.store_dir"
             )
         return None
-    meta = members.read_json(path, "meta.json", {"vocab_hash": str}, members.MIB)
+    fix = (
+        f"the token store was damaged or made by something else: delete {path} and run tpe-data prepare "
+        "(or the training run) again to build it anew"
+    )
     try:
-        tok = Tokenizer.from_str(members.read_text(path, "tokenizer.json"))
+        meta = members.read_json(path, "meta.json", META_FIELDS, members.MIB)
+        members.check_type(meta.get("report", []), list, f"{meta_path}: 'report'")
+        tok = _tokenizer(path)
+        if meta["vocab_hash"] != vocab_hash(tok):
+            raise members.MemberError(f"{path / 'tokenizer.json'} does not match meta.json; {members.FIX}")
+    except members.MemberError as err:
+        raise members.MemberError(str(err).replace(members.FIX, fix)) from None
+    train, valid = (load_saved(path / name, members.MemberError, fix) for name in ("train", "valid"))
+    for name, ds in (("train", train), ("valid", valid)):
+        _check_columns(path / name, ds, fix)
+    return tok, train, valid, meta
+
+
+META_FIELDS = {"vocab_hash": str, "dropped_too_long": int}
+#: The columns of a stored split that training reads, with their Arrow types.
+COLUMNS = {
+    "id": (pa.int64(),),
+    "src_ids": (pa.list_(pa.uint16()), pa.list_(pa.int32())),
+    "tgt_ids": (pa.list_(pa.uint16()), pa.list_(pa.int32())),
+    "src_len": (pa.int32(),),
+    "tgt_len": (pa.int32(),),
+}
+
+
+def _tokenizer(path: Path) -> Tokenizer:
+    try:
+        return Tokenizer.from_str(members.read_text(path, "tokenizer.json"))
     except Exception as err:  # the tokenizers library raises its own exception type
         if isinstance(err, members.MemberError):
             raise
         raise members.MemberError(
             f"{path / 'tokenizer.json'} is not a tokenizer ({err}); {members.FIX}"
         ) from None
-    if meta.get("vocab_hash") != vocab_hash(tok):
-        raise ValueError(
-            f"the token store {path} is inconsistent (its tokenizer.json does not match meta.json); "
-            "delete the directory and prepare it again"
-        )
-    train, valid = (load_from_disk(str(_checked_split(path / name))) for name in ("train", "valid"))
-    assert isinstance(train, Dataset) and isinstance(valid, Dataset)
-    return tok, train, valid, meta
 
 
-def _checked_split(folder: Path) -> Path:
-    """A stored split whose ``state.json`` names only plain, regular files of the split's folder."""
-    state = members.read_json(folder, "state.json", {"_data_files": list}, members.MIB)
-    for entry in state["_data_files"]:
-        members.check_type(entry, dict, f"{folder / 'state.json'}: a data file", members.MemberError)
-        members.check_name(entry.get("filename"), folder / "state.json")
-        members.check_file(folder, entry["filename"])
-    members.check_file(folder, "dataset_info.json", members.MIB)
-    return folder
+def _check_columns(folder: Path, ds: Dataset, fix: str) -> None:
+    """Stop unless a stored split has the columns training reads, of the types the store writes (an empty
+    split has none to read: a streamed corpus's store holds an empty training split of no columns)."""
+    if len(ds) == 0:
+        return
+    schema = ds.data.schema
+    for name, types in COLUMNS.items():
+        index = schema.get_field_index(name)
+        if index < 0 or schema.field(index).type not in types:
+            found = "none" if index < 0 else str(schema.field(index).type)
+            wanted = " or ".join(map(str, types))
+            problem = f"holds no column {name} of type {wanted} (found: {found})"
+            raise members.MemberError(f"{folder} {problem}; {fix}")
 
 
 @contextmanager

@@ -60,7 +60,7 @@ def marker(folder: Path) -> dict[str, Any] | None:
     except (OSError, ValueError):  # MemberError is a ValueError
         return None
     ok = isinstance(data, dict) and isinstance(data.get("kind"), str) and isinstance(data.get("files"), list)
-    return data if ok else None
+    return data if ok and isinstance(data.get("also", []), list) else None  # ``record`` extends "also"
 
 
 def files_of(folder: Path) -> list[str]:
