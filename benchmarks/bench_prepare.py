@@ -29,7 +29,16 @@ import sys
 from pathlib import Path
 
 import numpy as np
-from harness import ROOT, dir_bytes, environment, parse_with_smoke, run_sampled, write_json
+from harness import (
+    ROOT,
+    MemoryLimit,
+    Sampled,
+    dir_bytes,
+    environment,
+    parse_with_smoke,
+    run_sampled,
+    write_json,
+)
 
 GIB = 2**30
 CHUNK = 200_000  # pairs generated and written at a time
@@ -81,6 +90,26 @@ def write_corpus(folder: Path, pairs: int, seed: int = 0, types: int = 50_000) -
                 fd.write("\n".join(de) + "\n")
 
 
+def run_limited(
+    cmd: list[str], env: dict[str, str], tree: Path, limit_gib: float
+) -> tuple[Sampled, dict[str, object]]:
+    """``cmd`` run in ``tree`` (``-m`` puts the working folder first on the path: the tree's own), inside
+    a memory cgroup of ``limit_gib`` GiB when that is not 0: then also the group's peak (mapped file
+    pages included) and whether the kernel killed the run for memory."""
+    if not limit_gib:
+        return run_sampled(cmd, env, cwd=tree), {}
+    group = MemoryLimit.make(int(limit_gib * GIB), f"bench-prepare-{os.getpid()}")
+    try:
+        r = run_sampled(cmd, env, preexec_fn=group.enter, cwd=tree)
+        return r, {
+            "limit_gib": limit_gib,
+            "group_peak_gib": round(group.peak() / GIB, 3),
+            "oom_kills": group.killed(),
+        }
+    finally:
+        group.remove()
+
+
 def prepare(tree: Path, corpus: Path, work: Path, args: argparse.Namespace) -> dict[str, object]:
     store, cache = work / "store", work / "hf-cache"
     shutil.rmtree(work, ignore_errors=True)
@@ -95,7 +124,10 @@ def prepare(tree: Path, corpus: Path, work: Path, args: argparse.Namespace) -> d
     cmd = [sys.executable, "-m", "tpe_train.data.cli", "prepare", "--preset", "demo"]
     cmd += ["data.corpus=text", f"data.path={corpus}", f"data.store_dir={store}", "data.max_len=256"]
     cmd += [f"data.vocab_size={args.vocab}", f"data.tokenizer_sample={args.sample}", "data.clean.dedup=true"]
-    r = run_sampled(cmd, env, cwd=tree)  # -m puts the working folder first on the path: the tree's own
+    r, limited = run_limited(cmd, env, tree, args.memory_limit)
+    if r.returncode != 0 and limited.get("oom_kills"):
+        shutil.rmtree(work, ignore_errors=True)
+        return {"wall_s": round(r.wall_s, 1), "killed": True, **limited}
     if r.returncode != 0:
         sys.exit(f"{' '.join(cmd)} failed ({r.returncode}):\n{r.out[-3000:]}")
     lines = [line.removeprefix("tpe-data: ") for line in r.out.splitlines()]
@@ -106,6 +138,7 @@ def prepare(tree: Path, corpus: Path, work: Path, args: argparse.Namespace) -> d
         "peak_anon_gib": round(r.peak_anon / GIB, 3),
         "store_gib": round(dir_bytes(store) / GIB, 3),
         "summary": summary,
+        **limited,
     }
     shutil.rmtree(work, ignore_errors=True)
     return row
@@ -140,14 +173,16 @@ print(json.dumps({**out, "kept": len(kept), "duplicates": duplicates}))
 """
 
 
-def stages(tree: Path, corpus: Path, work: Path) -> dict[str, object]:
+def stages(tree: Path, corpus: Path, work: Path, limit_gib: float = 0) -> dict[str, object]:
     """Read, clean and de-duplicate only (no tokenizer), each timed, with the process's peak RSS after
     each: the steps that held the corpus. A tree from before de-duplication was a stage of its own
     gives one figure for clean and de-duplicate (``dedup_s`` null)."""
     shutil.rmtree(work, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": str(tree), "HF_DATASETS_CACHE": str(work), "OMP_NUM_THREADS": "1"}
-    r = run_sampled([sys.executable, "-c", STAGES, str(corpus)], env, cwd=tree)  # as in prepare()
+    r, limited = run_limited([sys.executable, "-c", STAGES, str(corpus)], env, tree, limit_gib)
     shutil.rmtree(work, ignore_errors=True)
+    if r.returncode != 0 and limited.get("oom_kills"):
+        return {"wall_s": round(r.wall_s, 1), "killed": True, **limited}
     if r.returncode != 0:
         sys.exit(f"stages failed ({r.returncode}):\n{r.out[-3000:]}")
     return {
@@ -155,15 +190,23 @@ def stages(tree: Path, corpus: Path, work: Path) -> dict[str, object]:
         "peak_pss_gib": round(r.peak_pss / GIB, 3),
         "peak_anon_gib": round(r.peak_anon / GIB, 3),
         **json.loads(r.out.strip().splitlines()[-1]),
+        **limited,
     }
 
 
 def _stage_line(name: str, pairs: int, row: dict[str, object]) -> str:
+    if row.get("killed"):
+        return (
+            f"{name:<10} {pairs:>10,} killed for memory after {row['wall_s']} s, limit {row['limit_gib']} GiB"
+        )
+    group = (
+        f", memory group peak {row['group_peak_gib']} GiB of {row['limit_gib']}" if "limit_gib" in row else ""
+    )
     dedup = "in clean" if row["dedup_s"] is None else f"{row['dedup_s']} s"
     return (
         f"{name:<10} {pairs:>10,} read {row['read_s']} s, clean {row['clean_s']} s, dedup {dedup}; "
         f"kept {row['kept']:,}, duplicates {row['duplicates']:,}; peak RSS {row['peak_rss_gib']} GiB, "
-        f"sampled PSS {row['peak_pss_gib']} GiB, anon {row['peak_anon_gib']} GiB"
+        f"sampled PSS {row['peak_pss_gib']} GiB, anon {row['peak_anon_gib']} GiB{group}"
     )
 
 
@@ -179,6 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--threads", type=int, default=2, help="tokenizers' threads")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--stages", action="store_true", help="read, clean, de-duplicate only, each timed")
+    parser.add_argument(
+        "--memory-limit", type=float, default=0, help="GiB: run each preparation in a memory cgroup this big"
+    )
     args = parse_with_smoke(parser, argv, {"sizes": [3000], "vocab": 300, "sample": 1000, "threads": 1})
     args.out = args.out.resolve()  # the children run in the tree they measure
     trees = {"this tree": ROOT} | ({"old": args.old.resolve()} if args.old else {})
@@ -191,25 +237,31 @@ def main(argv: list[str] | None = None) -> None:
         for name, tree in order[i % len(order) :] + order[: i % len(order)]:  # who goes first alternates
             print(f"preparing {pairs:,} pairs with {name} ({tree.name})", file=sys.stderr, flush=True)
             if args.stages:
-                row = stages(tree, corpus, args.out / f"work-{pairs}")
+                row = stages(tree, corpus, args.out / f"work-{pairs}", args.memory_limit)
                 rows.append({"tree": name, "pairs": pairs, **row})
                 print(_stage_line(name, pairs, row))
                 continue
             row = prepare(tree, corpus, args.out / f"work-{pairs}", args)
-            rows.append({"tree": name, "pairs": pairs, "pairs_per_s": round(pairs / row["wall_s"]), **row})
+            rate = None if row.get("killed") else round(pairs / float(row["wall_s"]))  # type: ignore[arg-type]
+            rows.append({"tree": name, "pairs": pairs, "pairs_per_s": rate, **row})
     if args.stages:
         write_json(args.json, {"environment": environment(__import__("torch").device("cpu")), "rows": rows})
         return
     print(f"tpe-data prepare, text corpus, vocab {args.vocab}, tokenizer sample {args.sample}, dedup on")
-    head = ("pairs", "wall s", "pairs/s", "PSS GiB", "anon GiB", "store GiB")
+    head = ("pairs", "wall s", "pairs/s", "PSS GiB", "anon GiB", "store GiB", "group GiB")
     print(f"{'tree':<10} " + " ".join(f"{h:>10}" for h in head))
     for r in rows:
-        print(
-            f"{r['tree']:<10} {r['pairs']:>10,} {r['wall_s']:>10} {r['pairs_per_s']:>10} "
-            f"{r['peak_pss_gib']:>10} {r['peak_anon_gib']:>10} {r['store_gib']:>10}"
-        )
+        if r.get("killed"):
+            print(
+                f"{r['tree']:<10} {r['pairs']:>10,} killed for memory after {r['wall_s']} s, "
+                f"limit {r['limit_gib']} GiB"
+            )
+            continue
+        cells = [f"{r['pairs']:,}", r["wall_s"], r["pairs_per_s"], r["peak_pss_gib"], r["peak_anon_gib"]]
+        cells += [r["store_gib"], r.get("group_peak_gib", "-")]
+        print(f"{r['tree']:<10} " + " ".join(f"{c:>10}" for c in cells))
     for r in rows:
-        print(f"{r['tree']} {r['pairs']:,}: " + " | ".join(r["summary"]))
+        print(f"{r['tree']} {r['pairs']:,}: " + " | ".join(r.get("summary", ["killed for memory"])))
     write_json(args.json, {"environment": environment(__import__("torch").device("cpu")), "rows": rows})
 
 

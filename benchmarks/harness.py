@@ -569,6 +569,45 @@ def run_sampled(
     return Sampled(time.perf_counter() - start, peak[0], peak[1], out, proc.returncode)
 
 
+@dataclass
+class MemoryLimit:
+    """A memory cgroup of its own for child processes (Linux, cgroup v2 or v1 with a writable memory
+    controller): the kernel keeps the group's resident memory, mapped file pages included, under
+    ``limit`` bytes by dropping reclaimable pages, and kills a process only when what cannot be dropped
+    (anonymous memory) would exceed it. ``peak()`` is the group's high-water mark, ``killed()`` its count
+    of out-of-memory kills."""
+
+    folder: Path
+    v2: bool
+
+    @classmethod
+    def make(cls, limit: int, name: str) -> MemoryLimit:
+        own = Path("/proc/self/cgroup").read_text().splitlines()
+        v2 = not any(":memory:" in line for line in own)
+        ours = [line.split(":", 2) for line in own]  # hierarchy-id:controllers:path
+        rel = next(path for _, controllers, path in ours if controllers == ("" if v2 else "memory"))
+        base = Path("/sys/fs/cgroup") if v2 else Path("/sys/fs/cgroup/memory")
+        folder = base / rel.lstrip("/") / name
+        folder.mkdir(exist_ok=True)
+        (folder / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit))
+        return cls(folder, v2)
+
+    def enter(self) -> None:
+        """A ``preexec_fn``: the child joins the group before it runs anything."""
+        (self.folder / "cgroup.procs").write_text(str(os.getpid()))
+
+    def peak(self) -> int:
+        return int((self.folder / ("memory.peak" if self.v2 else "memory.max_usage_in_bytes")).read_text())
+
+    def killed(self) -> int:
+        name = "memory.events" if self.v2 else "memory.oom_control"
+        fields = dict(line.split() for line in (self.folder / name).read_text().splitlines())
+        return int(fields.get("oom_kill", 0))
+
+    def remove(self) -> None:
+        self.folder.rmdir()
+
+
 def dir_bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
