@@ -569,6 +569,10 @@ def run_sampled(
     return Sampled(time.perf_counter() - start, peak[0], peak[1], out, proc.returncode)
 
 
+class CgroupUnavailable(RuntimeError):
+    """This machine gives no memory cgroup to make."""
+
+
 @dataclass
 class MemoryLimit:
     """A memory cgroup of its own for child processes (Linux, cgroup v2 or v1 with a writable memory
@@ -588,8 +592,14 @@ class MemoryLimit:
         rel = next(path for _, controllers, path in ours if controllers == ("" if v2 else "memory"))
         base = Path("/sys/fs/cgroup") if v2 else Path("/sys/fs/cgroup/memory")
         folder = base / rel.lstrip("/") / name
-        folder.mkdir(exist_ok=True)
-        (folder / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit))
+        try:
+            folder.mkdir(exist_ok=True)
+            (folder / ("memory.max" if v2 else "memory.limit_in_bytes")).write_text(str(limit))
+        except OSError as err:
+            raise CgroupUnavailable(
+                f"cannot make the memory cgroup {folder} ({err}); a memory limit needs a writable memory "
+                "controller (root in most containers): run without --memory-limit"
+            ) from None
         return cls(folder, v2)
 
     def enter(self) -> None:
