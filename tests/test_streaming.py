@@ -6,7 +6,7 @@ import itertools
 import json
 
 import pytest
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 
 from tpe_train.data import synthetic
 from tpe_train.data.streaming import StreamingBatches
@@ -155,3 +155,77 @@ def test_training_streams_a_text_corpus_end_to_end(tmp_path) -> None:  # type: i
         ]
     log = "samples/rank-00000.jsonl"
     assert (tmp_path / "resumed" / log).read_text() == (tmp_path / "run" / log).read_text()
+
+
+# Resume in any epoch: tiny corpora of each kind the project streams, saved at many points.
+
+SMALL = PAIRS[:48]
+
+
+def small_source(kind: str, folder) -> IterableDataset:  # type: ignore[no-untyped-def]
+    """The SMALL pairs as a stream: a text corpus and a parquet split (four row groups in two files)
+    through the project's readers and cleaning, or an in-memory dataset in four shards."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from tpe_train.data.clean import CleanSpec, clean_stream
+    from tpe_train.data.sources import SourceSpec, stream_split
+
+    if kind == "memory":
+        columns = {"id": list(range(len(SMALL))), "src": [s for s, _ in SMALL], "tgt": [t for _, t in SMALL]}
+        return Dataset.from_dict(columns).to_iterable_dataset(num_shards=4)
+    if not any(folder.iterdir()):
+        (folder / "train.en").write_text("".join(s + "\n" for s, _ in SMALL))
+        (folder / "train.de").write_text("".join(t + "\n" for _, t in SMALL))
+        for i, half in enumerate((SMALL[:24], SMALL[24:])):
+            table = pa.table({"src": [s for s, _ in half], "tgt": [t for _, t in half]})
+            pq.write_table(table, folder / f"train-0000{i}-of-00002.parquet", row_group_size=12)
+    spec = SourceSpec(kind=kind, src_lang="en", tgt_lang="de", path=str(folder))
+    return clean_stream(stream_split(spec, "train"), CleanSpec())
+
+
+def small_stream(kind: str, folder, rank: int, size: int) -> StreamingBatches:  # type: ignore[no-untyped-def]
+    source = small_source(kind, folder)
+    return StreamingBatches(source, TOK, max_tokens=160, seed=5, buffer_size=8, dp_rank=rank, dp_size=size)
+
+
+def contents(batch) -> list[list[list[int]]]:  # type: ignore[no-untyped-def]
+    return [batch.ids.tolist(), batch.src.tolist(), batch.tgt_in.tolist(), batch.tgt_out.tolist()]
+
+
+def save_points(epochs: list[int]) -> list[int]:
+    """Batch counts to save after: inside epoch 0, at the end of epochs 0 and 1 (state saved after the
+    epoch's last batch), one batch into epoch 1, and inside epochs 1 and 2."""
+    ends = [i + 1 for i in range(len(epochs) - 1) if epochs[i] != epochs[i + 1]]
+    assert len(ends) >= 3 and ends[0] >= 3, ends  # the corpus is tiny: epochs are short
+    inside = [(ends[0] + ends[1]) // 2, (ends[1] + ends[2]) // 2]
+    return sorted({2, ends[0] - 1, ends[0], ends[0] + 1, *inside, ends[1], ends[1] + 1})
+
+
+@pytest.mark.parametrize("size", [1, 2])
+@pytest.mark.parametrize("kind", ["text", "parquet", "memory"])
+def test_a_state_saved_in_any_epoch_restores_exactly(kind: str, size: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Every save point, then a resume of a resume (restore, advance, save, restore again): the next
+    batches (ids and tokens) are those of the uninterrupted run, on each rank. States travel as JSON."""
+    for rank in range(size):
+        run = small_stream(kind, tmp_path, rank, size)
+        it, reference, epochs, states = iter(run), [], [], []
+        while not epochs or epochs[-1] < 4:
+            reference.append(contents(next(it)))
+            epochs.append(run.epoch)
+            states.append(json.loads(json.dumps(run.state_dict())))
+        for at in save_points(epochs):
+            resumed = small_stream(kind, tmp_path, rank, size)
+            resumed.load_state_dict(states[at - 1])
+            again = iter(resumed)
+            got = [contents(next(again)) for _ in range(len(reference) - at)]
+            assert got == reference[at:], (kind, size, rank, at, epochs[at - 1])
+        start = save_points(epochs)[2]  # resume at the first epoch end, 5 batches on, save, resume
+        twice = small_stream(kind, tmp_path, rank, size)
+        twice.load_state_dict(states[start - 1])
+        head = [contents(b) for b in itertools.islice(iter(twice), 5)]
+        state = json.loads(json.dumps(twice.state_dict()))
+        third = small_stream(kind, tmp_path, rank, size)
+        third.load_state_dict(state)
+        tail = [contents(b) for b in itertools.islice(iter(third), len(reference) - start - 5)]
+        assert head + tail == reference[start:], (kind, size, rank)
