@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 
@@ -160,28 +161,42 @@ def test_training_streams_a_text_corpus_end_to_end(tmp_path) -> None:  # type: i
 # Resume in any epoch: tiny corpora of each kind the project streams, saved at many points.
 
 SMALL = PAIRS[:48]
+LOADED: dict[str, IterableDataset] = {}
 
 
 def small_source(kind: str, folder) -> IterableDataset:  # type: ignore[no-untyped-def]
     """The SMALL pairs as a stream: a text corpus and a parquet split (four row groups in two files)
-    through the project's readers and cleaning, or an in-memory dataset in four shards."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    through the project's readers and cleaning, the parquet files through datasets' reader (two
+    shards), or an in-memory dataset in four shards."""
+    from datasets import load_dataset
 
     from tpe_train.data.clean import CleanSpec, clean_stream
     from tpe_train.data.sources import SourceSpec, stream_split
 
+    write_small(folder)
+    if kind == "hub-parquet":  # datasets' own streamed parquet reader, as a hub corpus streams
+        if str(folder) not in LOADED:  # resolving the files is slow: once per corpus
+            files = sorted(str(f) for f in folder.glob("train-*.parquet"))
+            LOADED[str(folder)] = load_dataset("parquet", data_files=files, split="train", streaming=True)
+        return clean_stream(copy.deepcopy(LOADED[str(folder)]), CleanSpec())
     if kind == "memory":
         columns = {"id": list(range(len(SMALL))), "src": [s for s, _ in SMALL], "tgt": [t for _, t in SMALL]}
         return Dataset.from_dict(columns).to_iterable_dataset(num_shards=4)
+    spec = SourceSpec(kind=kind, src_lang="en", tgt_lang="de", path=str(folder))
+    return clean_stream(stream_split(spec, "train"), CleanSpec())
+
+
+def write_small(folder) -> None:  # type: ignore[no-untyped-def]
+    """SMALL as train.en/train.de and as train-0000{0,1}-of-00002.parquet, two row groups each."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     if not any(folder.iterdir()):
         (folder / "train.en").write_text("".join(s + "\n" for s, _ in SMALL))
         (folder / "train.de").write_text("".join(t + "\n" for _, t in SMALL))
         for i, half in enumerate((SMALL[:24], SMALL[24:])):
             table = pa.table({"src": [s for s, _ in half], "tgt": [t for _, t in half]})
             pq.write_table(table, folder / f"train-0000{i}-of-00002.parquet", row_group_size=12)
-    spec = SourceSpec(kind=kind, src_lang="en", tgt_lang="de", path=str(folder))
-    return clean_stream(stream_split(spec, "train"), CleanSpec())
 
 
 def small_stream(kind: str, folder, rank: int, size: int) -> StreamingBatches:  # type: ignore[no-untyped-def]
@@ -202,11 +217,33 @@ def save_points(epochs: list[int]) -> list[int]:
     return sorted({2, ends[0] - 1, ends[0], ends[0] + 1, *inside, ends[1], ends[1] + 1})
 
 
+def restored(kind: str, folder, rank: int, size: int, state: dict) -> StreamingBatches:  # type: ignore[no-untyped-def,type-arg]
+    batches = small_stream(kind, folder, rank, size)
+    batches.load_state_dict(json.loads(json.dumps(state)))
+    return batches
+
+
+def take(batches: StreamingBatches, count: int) -> list:  # type: ignore[type-arg]
+    return [contents(b) for b in itertools.islice(iter(batches), count)]
+
+
+def stale(kind: str, folder, rank: int, size: int, state: dict) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    """The state as the previous version saved it right after a restore, before reading on: the
+    source position of a fresh source (epoch 0, nothing read), the rest exact."""
+    return {**state, "source": small_stream(kind, folder, rank, size).source.state_dict()}
+
+
+KINDS = ["text", "parquet", "hub-parquet", "memory"]
+
+
 @pytest.mark.parametrize("size", [1, 2])
-@pytest.mark.parametrize("kind", ["text", "parquet", "memory"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_a_state_saved_in_any_epoch_restores_exactly(kind: str, size: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
-    """Every save point, then a resume of a resume (restore, advance, save, restore again): the next
-    batches (ids and tokens) are those of the uninterrupted run, on each rank. States travel as JSON."""
+    """At every save point (inside epochs 0-2, at epoch ends), on each rank, the next batches (ids and
+    tokens) are those of the uninterrupted run: from the state as saved, from the state as the previous
+    version saved it after a restore (its source position stale: the restore re-reads the epoch's
+    consumed records), and from a state saved right after a restore, before reading on. Then a resume
+    of a resume: restore, read 5 batches, save, restore again. States travel as JSON."""
     for rank in range(size):
         run = small_stream(kind, tmp_path, rank, size)
         it, reference, epochs, states = iter(run), [], [], []
@@ -215,17 +252,30 @@ def test_a_state_saved_in_any_epoch_restores_exactly(kind: str, size: int, tmp_p
             epochs.append(run.epoch)
             states.append(json.loads(json.dumps(run.state_dict())))
         for at in save_points(epochs):
-            resumed = small_stream(kind, tmp_path, rank, size)
-            resumed.load_state_dict(states[at - 1])
-            again = iter(resumed)
-            got = [contents(next(again)) for _ in range(len(reference) - at)]
-            assert got == reference[at:], (kind, size, rank, at, epochs[at - 1])
-        start = save_points(epochs)[2]  # resume at the first epoch end, 5 batches on, save, resume
-        twice = small_stream(kind, tmp_path, rank, size)
-        twice.load_state_dict(states[start - 1])
-        head = [contents(b) for b in itertools.islice(iter(twice), 5)]
-        state = json.loads(json.dumps(twice.state_dict()))
-        third = small_stream(kind, tmp_path, rank, size)
-        third.load_state_dict(state)
-        tail = [contents(b) for b in itertools.islice(iter(third), len(reference) - start - 5)]
+            state, rest, where = states[at - 1], len(reference) - at, (kind, size, rank, at, epochs[at - 1])
+            assert take(restored(kind, tmp_path, rank, size, state), rest) == reference[at:], where
+            old = stale(kind, tmp_path, rank, size, state)
+            assert take(restored(kind, tmp_path, rank, size, old), rest) == reference[at:], where
+            for first in (state, old):
+                again = restored(kind, tmp_path, rank, size, first).state_dict()
+                assert take(restored(kind, tmp_path, rank, size, again), rest) == reference[at:], where
+        start = save_points(epochs)[2]  # the end of epoch 0
+        twice = restored(kind, tmp_path, rank, size, states[start - 1])
+        head = take(twice, 5)
+        tail = take(restored(kind, tmp_path, rank, size, twice.state_dict()), len(reference) - start - 5)
         assert head + tail == reference[start:], (kind, size, rank)
+
+
+def test_a_stale_state_on_a_shorter_corpus_names_the_fix(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    run = small_stream("memory", tmp_path, 0, 1)
+    it = iter(run)
+    while run.epoch < 1:
+        next(it)
+    state = {**stale("memory", tmp_path, 0, 1, run.state_dict()), "seen": len(SMALL) + 1}
+    with pytest.raises(
+        ValueError, match=r"read 49 records of epoch 1 .* holds 48: resume on the same corpus"
+    ):
+        next(iter(restored("memory", tmp_path, 0, 1, state)))
+    unknown = {key: value for key, value in state.items() if key != "seen"}
+    with pytest.raises(ValueError, match=r"needs seen: it was not saved by StreamingBatches"):
+        small_stream("memory", tmp_path, 0, 1).load_state_dict(unknown)
