@@ -279,3 +279,21 @@ def test_a_stale_state_on_a_shorter_corpus_names_the_fix(tmp_path) -> None:  # t
     unknown = {key: value for key, value in state.items() if key != "seen"}
     with pytest.raises(ValueError, match=r"needs seen: it was not saved by StreamingBatches"):
         small_stream("memory", tmp_path, 0, 1).load_state_dict(unknown)
+
+
+@pytest.mark.parametrize("kind", ["text", "memory"])
+def test_a_state_loads_exactly_into_a_stream_already_read(kind: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """As a trainer reloading its own object: the stream read on into epoch 2 takes states of epochs 1
+    and 0 (as saved, and stale) and continues as the uninterrupted run."""
+    run = small_stream(kind, tmp_path, 0, 1)
+    reference = take(run, 80)
+    saved = {}
+    for at in (40, 10):
+        again = small_stream(kind, tmp_path, 0, 1)
+        take(again, at)
+        saved[at] = again.state_dict()
+    for at, state in saved.items():
+        for first in (state, stale(kind, tmp_path, 0, 1, state)):
+            take(run, 7)  # read on, then reload
+            run.load_state_dict(json.loads(json.dumps(first)))
+            assert take(run, 80 - at) == reference[at:], (kind, at)

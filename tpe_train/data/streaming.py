@@ -54,7 +54,9 @@ class StreamingBatches:
         dp_size: int = 1,
         max_len: int = 256,
     ) -> None:
+        self._whole, self._size = source, dp_size
         self.source = split_dataset_by_node(source, rank=dp_rank, world_size=dp_size)
+        self._start = self.source.state_dict()  # the position before any record, laid out as in epoch 0
         self.tok, self.max_tokens, self.max_len = tok, max_tokens, max_len
         self.seed, self.rank, self.buffer_size = seed, dp_rank, buffer_size
         self.epoch = 0
@@ -86,10 +88,10 @@ class StreamingBatches:
                 "resume from a checkpoint of a streamed run (data.streaming=true) on as many ranks"
             )
         self.epoch, self.seen = int(state["epoch"]), int(state["seen"])
-        self.source.set_epoch(self.epoch)  # datasets applies a position only to its own epoch
-        initial = self.source.state_dict()  # a fresh source's position: the start of the epoch
+        self.source = split_dataset_by_node(self._whole, rank=self.rank, world_size=self._size)
+        self.source.set_epoch(self.epoch)  # datasets applies a position only in its own epoch
         position = state.get("source")
-        if self._position_holds(position, initial):
+        if self._position_holds(position):
             self.source.load_state_dict(position)
             self._skip = 0
         else:
@@ -100,12 +102,12 @@ class StreamingBatches:
         rng_state = state["rng"]
         self.rng.setstate((rng_state[0], tuple(rng_state[1]), rng_state[2]))
 
-    def _position_holds(self, position: Any, initial: dict[str, Any]) -> bool:
+    def _position_holds(self, position: Any) -> bool:
         """Whether the saved source position is this epoch's and has moved if any record was read
-        (``initial``, the start, is laid out as in epoch 0: only a stale epoch-0 position matches it)."""
+        (the start is laid out as in epoch 0: only a stale epoch-0 position matches it)."""
         if not isinstance(position, dict) or position.get("epoch") != self.epoch:
             return False
-        at_start = position.get("examples_iterable") == initial.get("examples_iterable")
+        at_start = position.get("examples_iterable") == self._start.get("examples_iterable")
         return self.seen == 0 or not at_start
 
     def _draw(self) -> Iterator[tuple[int, str, str]]:
