@@ -12,16 +12,18 @@ again. It is plain JSON-able data: the epoch, the number of records read from th
 source this epoch (``seen``), the source's own position (``IterableDataset.state_dict``), the shuffle
 buffer's contents, the pairs already drawn for the next batch and the generator state.
 
-A restore sets the source's epoch first (``set_epoch``): ``datasets`` applies a saved position only
-in the epoch it was saved in, and a fresh source is at epoch 0, so a position saved after the first
-epoch is otherwise ignored and the epoch starts over. The source's position is used where it belongs
-to the saved epoch and has moved if ``seen`` has; otherwise (a state that an older version saved right
-after a restore, before reading on) the restore reads the first ``seen`` records of the epoch's share
-again and drops them. Cost of a restore: ``datasets`` goes to the saved shard and, in Arrow-backed
-shards (a hub or save_to_disk corpus), to the row; a generator source (a text corpus, a streamed
-parquet split) reads the saved shard (the text files, the row group) again up to the position; the
-fallback reads, and cleans, the consumed part of the current epoch of the rank's share again. Nothing
-read again is tokenised.
+A restore splits the source afresh and sets its epoch (``set_epoch``) before it applies the saved
+position: ``datasets`` applies a position only in the epoch it was saved in, and a fresh source is at
+epoch 0, so a position saved after the first epoch is otherwise ignored and the epoch starts over. The
+source's position is used where it belongs to the saved epoch and has moved if ``seen`` has; otherwise
+(a state that an older version saved right after a restore, before reading on) the restore reads the
+first ``seen`` records of the epoch's share again and drops them.
+
+Cost of a restore: ``datasets`` skips the shards already read and reads the saved shard again from its
+start up to the position: Arrow-backed shards (a hub or save_to_disk corpus) as Arrow tables, generator
+sources by running the shard's generator (a text corpus is one shard: its files up to the position; a
+streamed parquet split reads the saved row group). The fallback reads, and cleans, the consumed part of
+the current epoch of the rank's share again. Nothing read again is tokenised.
 """
 
 from __future__ import annotations
