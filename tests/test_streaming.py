@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 
 import pytest
-from datasets import Dataset
+from datasets import Dataset, IterableDataset
 
 from tpe_train.data import synthetic
 from tpe_train.data.streaming import StreamingBatches
@@ -155,3 +156,144 @@ def test_training_streams_a_text_corpus_end_to_end(tmp_path) -> None:  # type: i
         ]
     log = "samples/rank-00000.jsonl"
     assert (tmp_path / "resumed" / log).read_text() == (tmp_path / "run" / log).read_text()
+
+
+# Resume in any epoch: tiny corpora of each kind the project streams, saved at many points.
+
+SMALL = PAIRS[:48]
+LOADED: dict[str, IterableDataset] = {}
+
+
+def small_source(kind: str, folder) -> IterableDataset:  # type: ignore[no-untyped-def]
+    """The SMALL pairs as a stream: a text corpus and a parquet split (four row groups in two files)
+    through the project's readers and cleaning, the parquet files through datasets' reader (two
+    shards), or an in-memory dataset in four shards."""
+    from datasets import load_dataset
+
+    from tpe_train.data.clean import CleanSpec, clean_stream
+    from tpe_train.data.sources import SourceSpec, stream_split
+
+    write_small(folder)
+    if kind == "hub-parquet":  # datasets' own streamed parquet reader, as a hub corpus streams
+        if str(folder) not in LOADED:  # resolving the files is slow: once per corpus
+            files = sorted(str(f) for f in folder.glob("train-*.parquet"))
+            LOADED[str(folder)] = load_dataset("parquet", data_files=files, split="train", streaming=True)
+        return clean_stream(copy.deepcopy(LOADED[str(folder)]), CleanSpec())
+    if kind == "memory":
+        columns = {"id": list(range(len(SMALL))), "src": [s for s, _ in SMALL], "tgt": [t for _, t in SMALL]}
+        return Dataset.from_dict(columns).to_iterable_dataset(num_shards=4)
+    spec = SourceSpec(kind=kind, src_lang="en", tgt_lang="de", path=str(folder))
+    return clean_stream(stream_split(spec, "train"), CleanSpec())
+
+
+def write_small(folder) -> None:  # type: ignore[no-untyped-def]
+    """SMALL as train.en/train.de and as train-0000{0,1}-of-00002.parquet, two row groups each."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if not any(folder.iterdir()):
+        (folder / "train.en").write_text("".join(s + "\n" for s, _ in SMALL))
+        (folder / "train.de").write_text("".join(t + "\n" for _, t in SMALL))
+        for i, half in enumerate((SMALL[:24], SMALL[24:])):
+            table = pa.table({"src": [s for s, _ in half], "tgt": [t for _, t in half]})
+            pq.write_table(table, folder / f"train-0000{i}-of-00002.parquet", row_group_size=12)
+
+
+def small_stream(kind: str, folder, rank: int, size: int) -> StreamingBatches:  # type: ignore[no-untyped-def]
+    source = small_source(kind, folder)
+    return StreamingBatches(source, TOK, max_tokens=160, seed=5, buffer_size=8, dp_rank=rank, dp_size=size)
+
+
+def contents(batch) -> list[list[list[int]]]:  # type: ignore[no-untyped-def]
+    return [batch.ids.tolist(), batch.src.tolist(), batch.tgt_in.tolist(), batch.tgt_out.tolist()]
+
+
+def save_points(epochs: list[int]) -> list[int]:
+    """Batch counts to save after: inside epoch 0, at the end of epochs 0 and 1 (state saved after the
+    epoch's last batch), one batch into epoch 1, and inside epochs 1 and 2."""
+    ends = [i + 1 for i in range(len(epochs) - 1) if epochs[i] != epochs[i + 1]]
+    assert len(ends) >= 3 and ends[0] >= 3, ends  # the corpus is tiny: epochs are short
+    inside = [(ends[0] + ends[1]) // 2, (ends[1] + ends[2]) // 2]
+    return sorted({2, ends[0] - 1, ends[0], ends[0] + 1, *inside, ends[1], ends[1] + 1})
+
+
+def restored(kind: str, folder, rank: int, size: int, state: dict) -> StreamingBatches:  # type: ignore[no-untyped-def,type-arg]
+    batches = small_stream(kind, folder, rank, size)
+    batches.load_state_dict(json.loads(json.dumps(state)))
+    return batches
+
+
+def take(batches: StreamingBatches, count: int) -> list:  # type: ignore[type-arg]
+    return [contents(b) for b in itertools.islice(iter(batches), count)]
+
+
+def stale(kind: str, folder, rank: int, size: int, state: dict) -> dict:  # type: ignore[no-untyped-def,type-arg]
+    """The state as the previous version saved it right after a restore, before reading on: the
+    source position of a fresh source (epoch 0, nothing read), the rest exact."""
+    return {**state, "source": small_stream(kind, folder, rank, size).source.state_dict()}
+
+
+KINDS = ["text", "parquet", "hub-parquet", "memory"]
+
+
+@pytest.mark.parametrize("size", [1, 2])
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_state_saved_in_any_epoch_restores_exactly(kind: str, size: int, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """At every save point (inside epochs 0-2, at epoch ends), on each rank, the next batches (ids and
+    tokens) are those of the uninterrupted run: from the state as saved, from the state as the previous
+    version saved it after a restore (its source position stale: the restore re-reads the epoch's
+    consumed records), and from a state saved right after a restore, before reading on. Then a resume
+    of a resume: restore, read 5 batches, save, restore again. States travel as JSON."""
+    for rank in range(size):
+        run = small_stream(kind, tmp_path, rank, size)
+        it, reference, epochs, states = iter(run), [], [], []
+        while not epochs or epochs[-1] < 4:
+            reference.append(contents(next(it)))
+            epochs.append(run.epoch)
+            states.append(json.loads(json.dumps(run.state_dict())))
+        for at in save_points(epochs):
+            state, rest, where = states[at - 1], len(reference) - at, (kind, size, rank, at, epochs[at - 1])
+            assert take(restored(kind, tmp_path, rank, size, state), rest) == reference[at:], where
+            old = stale(kind, tmp_path, rank, size, state)
+            assert take(restored(kind, tmp_path, rank, size, old), rest) == reference[at:], where
+            for first in (state, old):
+                again = restored(kind, tmp_path, rank, size, first).state_dict()
+                assert take(restored(kind, tmp_path, rank, size, again), rest) == reference[at:], where
+        start = save_points(epochs)[2]  # the end of epoch 0
+        twice = restored(kind, tmp_path, rank, size, states[start - 1])
+        head = take(twice, 5)
+        tail = take(restored(kind, tmp_path, rank, size, twice.state_dict()), len(reference) - start - 5)
+        assert head + tail == reference[start:], (kind, size, rank)
+
+
+def test_a_stale_state_on_a_shorter_corpus_names_the_fix(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    run = small_stream("memory", tmp_path, 0, 1)
+    it = iter(run)
+    while run.epoch < 1:
+        next(it)
+    state = {**stale("memory", tmp_path, 0, 1, run.state_dict()), "seen": len(SMALL) + 1}
+    with pytest.raises(
+        ValueError, match=r"read 49 records of epoch 1 .* holds 48: resume on the same corpus"
+    ):
+        next(iter(restored("memory", tmp_path, 0, 1, state)))
+    unknown = {key: value for key, value in state.items() if key != "seen"}
+    with pytest.raises(ValueError, match=r"needs seen: it was not saved by StreamingBatches"):
+        small_stream("memory", tmp_path, 0, 1).load_state_dict(unknown)
+
+
+@pytest.mark.parametrize("kind", ["text", "memory"])
+def test_a_state_loads_exactly_into_a_stream_already_read(kind: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """As a trainer reloading its own object: the stream read on into epoch 2 takes states of epochs 1
+    and 0 (as saved, and stale) and continues as the uninterrupted run."""
+    run = small_stream(kind, tmp_path, 0, 1)
+    reference = take(run, 80)
+    saved = {}
+    for at in (40, 10):
+        again = small_stream(kind, tmp_path, 0, 1)
+        take(again, at)
+        saved[at] = again.state_dict()
+    for at, state in saved.items():
+        for first in (state, stale(kind, tmp_path, 0, 1, state)):
+            take(run, 7)  # read on, then reload
+            run.load_state_dict(json.loads(json.dumps(first)))
+            assert take(run, 80 - at) == reference[at:], (kind, at)
