@@ -149,3 +149,20 @@ def test_a_stored_split_whose_offsets_point_past_its_data_is_refused_not_read(tm
     assert (
         f"{path} is not a readable Arrow file" in said and f"delete {store} and run tpe-data prepare" in said
     )
+
+
+def test_a_stored_split_whose_column_name_is_not_utf8_is_refused(tmp_path: Path) -> None:
+    """A byte changed in a column's name: pyarrow's schema reads, and asking for the name raised a
+    ``UnicodeDecodeError``; the store's loader names the file."""
+    from tpe_train.data.store_open import load_store
+    from tpe_train.run.members import MemberError
+
+    store = prepare(cfg(tmp_path)).store
+    path = store / "train" / "data-00000-of-00001.arrow"
+    data = path.read_bytes()
+    assert data.count(b"src_ids") >= 1
+    path.write_bytes(data.replace(b"src_ids", b"\x80rc_ids"))
+    with pytest.raises(MemberError) as caught:
+        load_store(store)
+    assert type(caught.value) is MemberError
+    assert f"{path} is not a readable Arrow file" in str(caught.value)

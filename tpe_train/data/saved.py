@@ -94,7 +94,7 @@ def _check_arrow(folder: Path, name: str) -> None:
     try:
         with pa.memory_map(str(path)) as source:
             pa.ipc.open_stream(source).read_all().validate(full=True)
-    except (pa.ArrowException, OSError) as err:  # pyarrow reports a cut file as an OSError
+    except (pa.ArrowException, OSError, UnicodeDecodeError) as err:  # a cut file: OSError; a name: Unicode
         problem = f"is not a readable Arrow file ({_short(err)})"
         raise members.MemberError(f"{path} {problem}; {members.FIX}") from None
 
