@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from tpe_train.data.batching import BatchIterator, BatchState, token_batches
+from tpe_train.data.errors import CorpusError
 
 
 def lengths(n: int = 500, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -91,3 +92,8 @@ def test_tensor_parallel_peers_get_identical_batches() -> None:
 def test_too_few_batches_for_the_ranks_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="fewer than the 4 data-parallel ranks"):
         BatchIterator(np.array([3, 4]), np.array([3, 4]), 600, seed=0, dp_size=4)
+
+
+def test_an_empty_training_split_is_a_corpus_error_naming_the_fix() -> None:
+    with pytest.raises(CorpusError, match=r"holds no pair.*\(tpe-data prepare\)"):
+        BatchIterator(np.array([], dtype=np.int64), np.array([], dtype=np.int64), 600, seed=0)

@@ -10,6 +10,7 @@ import pytest
 from datasets import Dataset, IterableDataset
 
 from tpe_train.data import synthetic
+from tpe_train.data.errors import CorpusError
 from tpe_train.data.streaming import StreamingBatches
 from tpe_train.data.tokenizer import train_tokenizer
 
@@ -297,3 +298,36 @@ def test_a_state_loads_exactly_into_a_stream_already_read(kind: str, tmp_path) -
             take(run, 7)  # read on, then reload
             run.load_state_dict(json.loads(json.dumps(first)))
             assert take(run, 80 - at) == reference[at:], (kind, at)
+
+
+# A share that makes no batch: an error at the first batch, never an endless wait for one.
+
+
+def first_batch_or_error(batches: StreamingBatches) -> object:
+    """The first batch, with an alarm: an iterator that loops for ever fails the test after 30 s."""
+    import signal
+
+    def give_up(*_: object) -> None:
+        raise AssertionError("no batch and no error within 30 s: the stream loops on an empty share")
+
+    previous = signal.signal(signal.SIGALRM, give_up)
+    signal.alarm(30)
+    try:
+        return next(iter(batches))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_rank_whose_share_is_empty_names_the_fix() -> None:
+    one = Dataset.from_dict({"id": [0], "src": [PAIRS[0][0]], "tgt": [PAIRS[0][1]]}).to_iterable_dataset()
+    first = StreamingBatches(one, TOK, max_tokens=400, seed=3, dp_rank=0, dp_size=2)
+    assert first_batch_or_error(first).ids.tolist() == [0]  # type: ignore[attr-defined]
+    second = StreamingBatches(one, TOK, max_tokens=400, seed=3, dp_rank=1, dp_size=2)
+    with pytest.raises(CorpusError, match=r"rank 1's share \(of 2 ranks\) .* holds no pair.* fewer ranks"):
+        first_batch_or_error(second)
+
+
+def test_a_stream_where_no_pair_fits_max_len_names_the_fix() -> None:
+    with pytest.raises(CorpusError, match=r"none of the 400 pairs in the stream .* fits data.max_len=3"):
+        first_batch_or_error(stream(max_len=3))

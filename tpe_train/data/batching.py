@@ -15,6 +15,7 @@ import torch
 from datasets import Dataset
 
 from tpe_train.config import ModelConfig
+from tpe_train.data.errors import CorpusError
 from tpe_train.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.model.args import ModelArgs
 
@@ -77,8 +78,13 @@ class BatchIterator:
         state: BatchState | None = None,
     ) -> None:
         self.batches = token_batches(src_len, tgt_len, max_tokens, seed)
+        if len(self.batches) == 0:
+            raise CorpusError(
+                "the training split holds no pair, so training has nothing to read; prepare the "
+                "corpus again (tpe-data prepare) or point data.* at a corpus with training pairs"
+            )
         if len(self.batches) < dp_size:
-            raise ValueError(
+            raise CorpusError(
                 f"the corpus makes only {len(self.batches)} batches, fewer than the {dp_size} "
                 "data-parallel ranks need; use fewer ranks, smaller data.max_tokens or a larger corpus"
             )

@@ -38,6 +38,7 @@ from datasets.distributed import split_dataset_by_node
 from tokenizers import Tokenizer
 
 from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
+from tpe_train.data.errors import CorpusError
 from tpe_train.data.lengths import fits
 from tpe_train.data.tokenizer import encode
 
@@ -132,6 +133,21 @@ class StreamingBatches:
         while self.buffer:
             yield self._pop()
 
+    def _empty_share(self) -> str:
+        """The error of an epoch read from its start that made no batch."""
+        share = f"rank {self.rank}'s share (of {self._size} ranks)" if self._size > 1 else "the stream"
+        if self.seen == 0:
+            fix = (
+                "give the corpus at least as many shards (files) as there are ranks, or use fewer ranks"
+                if self._size > 1
+                else "check the training split and data.clean.*"
+            )
+            return f"{share} of the training corpus holds no pair, so it makes no batch; {fix}"
+        return (
+            f"none of the {self.seen} pairs in {share} of the training corpus fits data.max_len="
+            f"{self.max_len} tokens on both sides, so it makes no batch; raise data.max_len"
+        )
+
     def _pop(self) -> tuple[int, str, str]:
         i = self.rng.randrange(len(self.buffer))
         self.buffer[i], self.buffer[-1] = self.buffer[-1], self.buffer[i]
@@ -147,6 +163,8 @@ class StreamingBatches:
 
     def __iter__(self) -> Iterator[Batch]:
         while True:
+            from_start = self.seen == 0 and not self.buffer and not self.pending and not self._skip
+            yielded = False
             for idx, src, tgt in self._draw():
                 s_ids, t_ids = ([*ids, EOS_ID] for ids in encode(self.tok, [src, tgt]))
                 if not fits(len(s_ids), len(t_ids), self.max_len):
@@ -156,12 +174,16 @@ class StreamingBatches:
                 if len(rows) > 1 and width * len(rows) > self.max_tokens:
                     batch = self._batch(self.pending)
                     self.pending = [(idx, s_ids, t_ids)]
+                    yielded = True
                     yield batch
                 else:
                     self.pending = rows
             if self.pending:  # the epoch's last, smaller batch: every pair once per epoch
                 batch, self.pending = self._batch(self.pending), []
+                yielded = True
                 yield batch
+            if from_start and not yielded:  # another epoch would find nothing either: never loop on
+                raise CorpusError(self._empty_share())
             self.epoch += 1
             self.seen = 0
             self.source.set_epoch(self.epoch)
