@@ -27,6 +27,7 @@ import pytest
 import yaml
 from hypothesis import example, given
 from hypothesis import strategies as st
+from test_eval_figures_fuzz import EXAMPLES as FIGURES_EXAMPLES
 from test_reader_fuzz_data import EXAMPLES as DATA_EXAMPLES
 
 from tests.support.fuzz import PARQUET, contents, damaged_parquet, drawn, fuzz, gzipped, outcome, raw
@@ -299,4 +300,4 @@ def test_a_file_name_holding_a_lone_surrogate_is_refused_before_any_open(made: P
 def test_the_example_count_is_what_the_docs_say() -> None:
     """docs/reliability.md states the number of random examples these tests run."""
     docs = (Path(__file__).parents[1] / "docs" / "reliability.md").read_text()
-    assert f"{EXAMPLES + DATA_EXAMPLES:,} random examples" in docs
+    assert f"{EXAMPLES + DATA_EXAMPLES + FIGURES_EXAMPLES:,} random examples" in docs

@@ -41,6 +41,7 @@ from tpe_train.evaluation.decoding import (
     decode_sentences,
     read_lines,
 )
+from tpe_train.evaluation.figures import read_figures
 from tpe_train.model.ensemble import Ensemble
 from tpe_train.model.transformer import Transformer
 from tpe_train.run.outputs import record
@@ -271,7 +272,10 @@ class EvalFiles:
         return path
 
     def read_figures(self) -> dict[str, Any] | None:
-        return json.loads(self.figures.read_text()) if self.figures.is_file() else None
+        """The checked figures (``figures.read_figures``), or None where there are none yet."""
+        if not (self.figures.is_file() or self.figures.is_symlink()):
+            return None
+        return read_figures(self.directory, self.FIGURES)
 
     def read_set(self, name: str) -> tuple[list[str], list[str]] | None:
         """(hypotheses, references) of a set, or None when this evaluation did not keep them."""

@@ -355,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     logs.configure(f"tpe-study {argv[0]}")
     from tpe_train.run.exits import EXIT_PREEMPTED
+    from tpe_train.run.members import MemberError
     from tpe_train.run.outputs import OutputRefused
     from tpe_train.study.runner import StudyPreempted
 
@@ -366,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         log.warning("interrupted; the same command resumes the study")
         return 130
-    except (StudyError, ConfigError, RunDirBusy, OutputRefused) as err:
+    except (StudyError, ConfigError, RunDirBusy, OutputRefused, MemberError) as err:  # Member: eval.json
         log.error("%s", err)
         return 2
 

@@ -49,6 +49,7 @@ from tpe_train.evaluation.evaluate import (
 )
 from tpe_train.evaluation.metrics import PairedResult, length_ratio, paired_bootstrap
 from tpe_train.evaluation.position_settings import apply_position_settings
+from tpe_train.run.members import check_name
 from tpe_train.study.grid import Study, StudyError
 from tpe_train.study.position_methods import BASELINE, FAMILIES, Method
 from tpe_train.study.results import bucket_low
@@ -195,7 +196,8 @@ def study_exports(study: Study) -> list[tuple[Path, str, str, int]]:
         else:
             figures = study.eval_files(setting, seed).read_figures() or {}
             chosen = (figures.get("selected") or {}).get("export")
-            export = run.path / Path(chosen).name if chosen else run.export
+            name = check_name(Path(chosen).name, study.eval_path(setting, seed)) if chosen else None
+            export = run.path / name if name else run.export
         if (export / WEIGHTS).is_file():
             found.append((export, f"{setting.name}-s{seed}", setting.name, seed))
         else:

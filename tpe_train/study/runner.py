@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import os
 import shlex
 import signal
@@ -33,6 +32,7 @@ import yaml
 from tpe_train.ckpt.rundir import RunDir
 from tpe_train.evaluation.evaluate import EvalFiles
 from tpe_train.run.exits import EXIT_PREEMPTED
+from tpe_train.run.members import MemberError
 from tpe_train.study.grid import RUN_LOG, Setting, Study, StudyError
 
 if TYPE_CHECKING:
@@ -171,7 +171,15 @@ def _train_and_evaluate(
         except Exception as err:  # reported per run: the other runs of the study go on
             say(f"{label}: averaging or evaluating FAILED: {err}")
             return "failed"
-    figures = json.loads(study.eval_path(setting, seed).read_text())
+    try:
+        figures = study.eval_files(setting, seed).read_figures()
+    except MemberError as err:
+        figures, problem = None, str(err)
+    else:
+        problem = f"{study.eval_path(setting, seed)} is missing"
+    if figures is None:
+        say(f"{label}: FAILED: {problem}")
+        return "failed"
     say(f"{label}: BLEU {figures['bleu']:.2f} ({study.eval_path(setting, seed)})")
     return "ok"
 
