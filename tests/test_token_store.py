@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -166,3 +167,35 @@ def test_a_stored_split_whose_column_name_is_not_utf8_is_refused(tmp_path: Path)
         load_store(store)
     assert type(caught.value) is MemberError
     assert f"{path} is not a readable Arrow file" in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("column", "change", "said"),
+    [
+        ("tgt_ids", lambda ids: [[*ids[0][:-1], 150], *ids[1:]], "to 150, outside its tokenizer's 150 ids"),
+        ("src_ids", lambda ids: [*ids[:-1], [65535]], "to 65535, outside its tokenizer's 150 ids"),
+        ("src_len", lambda lens: [lens[0] + 1, *lens[1:]], "holds a src_len that is not its src_ids' length"),
+    ],
+)
+def test_a_stored_split_with_ids_past_its_tokenizer_or_wrong_lengths_is_refused(
+    tmp_path: Path, column: str, change: Any, said: str
+) -> None:
+    """Valid Arrow whose values do not fit the store: an id the embedding table does not have (a CPU run
+    raised IndexError in the model, a GPU run a device-side assert) or a length batching would trust."""
+    import pyarrow as pa
+
+    from tpe_train.data.store_open import load_store
+    from tpe_train.run.members import MemberError
+
+    store = prepare(cfg(tmp_path)).store
+    path = store / "train" / "data-00000-of-00001.arrow"
+    table = pa.ipc.open_stream(pa.BufferReader(path.read_bytes())).read_all()  # not mapped: rewritten
+    field = table.schema.field(column)  # the same type: the split's description still fits its file
+    values = pa.array(change(table.column(column).to_pylist()), type=field.type)
+    table = table.set_column(table.schema.get_field_index(column), field, values)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    with pytest.raises(MemberError) as caught:
+        load_store(store)
+    assert said in str(caught.value) and f"{store / 'train'}" in str(caught.value)
+    assert f"delete {store} and run tpe-data prepare" in str(caught.value)

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import pyarrow as pa
+import pyarrow.compute as pc
 from datasets import Dataset
 from tokenizers import Tokenizer
 
@@ -50,6 +51,7 @@ def load_store(path: Path) -> tuple[Tokenizer, Dataset, Dataset, dict[str, Any]]
     train, valid = (load_saved(path / name, members.MemberError, fix) for name in ("train", "valid"))
     for name, ds in (("train", train), ("valid", valid)):
         _check_columns(path / name, ds, fix)
+        _check_ids(path / name, ds, tok.get_vocab_size(), fix)
     return tok, train, valid, meta
 
 
@@ -87,6 +89,29 @@ def _check_columns(folder: Path, ds: Dataset, fix: str) -> None:
             found = "none" if index < 0 else str(schema.field(index).type)
             wanted = " or ".join(map(str, types))
             problem = f"holds no column {name} of type {wanted} (found: {found})"
+            raise members.MemberError(f"{folder} {problem}; {fix}")
+
+
+def _check_ids(folder: Path, ds: Dataset, vocab: int, fix: str) -> None:
+    """Stop unless every token id of a stored split is one of its tokenizer's (an id past the embedding
+    table stops a CPU run with an IndexError deep in the model and a GPU run with a device-side assert)
+    and every ``src_len``/``tgt_len`` is its list's length (batching plans by them). Vectorised over the
+    memory-mapped columns (0.2 s for 10M pairs in memory); a changed id within range is not seen."""
+    if len(ds) == 0:
+        return
+    table = ds.data.table
+    for side in ("src", "tgt"):
+        ids = table.column(f"{side}_ids")
+        bounds = [pc.min_max(chunk.flatten()) for chunk in ids.chunks]
+        found = [(b["min"].as_py(), b["max"].as_py()) for b in bounds if b["min"].is_valid]
+        if any(low < 0 or high >= vocab for low, high in found):
+            low, high = min(f[0] for f in found), max(f[1] for f in found)
+            problem = f"holds {side}_ids from {low} to {high}, outside its tokenizer's {vocab} ids"
+            raise members.MemberError(f"{folder} {problem}; {fix}")
+        lengths = pc.list_value_length(ids).cast(pa.int64())
+        stated = table.column(f"{side}_len").cast(pa.int64())
+        if not pc.all(pc.equal(lengths, stated)).as_py() or ids.null_count or stated.null_count:
+            problem = f"holds a {side}_len that is not its {side}_ids' length"
             raise members.MemberError(f"{folder} {problem}; {fix}")
 
 
