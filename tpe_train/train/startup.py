@@ -36,7 +36,7 @@ from tpe_train.parallel.memory import MemoryReport, memory_report
 from tpe_train.run import atomic, logs
 from tpe_train.train import batch_size
 from tpe_train.train.build import build_engine, build_train_model
-from tpe_train.train.cpu_setup import configure_cpu
+from tpe_train.train.cpu_setup import configure_cpu, set_threads
 from tpe_train.train.precision import autocast_dtype, precision_warning
 from tpe_train.train.seeding import seed_dropout, seed_everything
 from tpe_train.train.step import TokenTally
@@ -96,8 +96,7 @@ def log_file(cfg: Config, ctx: ParallelContext) -> Iterator[None]:
 def start(asked: Config, layout: ProcessLayout, ctx: ParallelContext) -> Run:
     """Set up the run (every rank) and report it (rank 0)."""
     seed_everything(asked.train.seed)
-    if asked.train.threads:
-        torch.set_num_threads(asked.train.threads)
+    set_threads(asked.train.threads)  # at most the node's cores per process
     configure_cpu(asked.train.cpu_gemm, ctx.device)  # training GEMM kernels, allocator
     resume_from = resume_point(asked, ctx)
     if resume_from is not None:
