@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,7 @@ pytestmark = pytest.mark.integration  # every test here starts the project's com
 ROOT = Path(__file__).resolve().parents[1]
 COMMON = [
     "data.synthetic.train_size=1500",
+    "data.synthetic.valid_size=100",  # the validation at each run's end: its loss only
     "eval.at_end=false",
     "train.valid_bleu_size=0",
     "train.progress=false",
@@ -55,13 +57,22 @@ def command(launch: str | None, run_dir: Path, *overrides: str) -> list[str]:
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(cfg), *args]
 
 
-def env(tmp_path: Path, **extra: str) -> dict[str, str]:
-    return {**os.environ, "DS_ACCELERATOR": "cpu", "TPE_DATA_CACHE": str(tmp_path / "data"), **extra}
+@pytest.fixture(scope="module", autouse=True)
+def one_token_store(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Every run here reads the same corpus: the first builds its token store, the rest reuse it (by
+    its fingerprint, as a user's later runs do)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TPE_DATA_CACHE", str(tmp_path_factory.mktemp("data")))
+        yield
 
 
-def train(tmp_path: Path, launch: str | None, run_dir: Path, *overrides: str) -> str:
+def env(**extra: str) -> dict[str, str]:
+    return {**os.environ, "DS_ACCELERATOR": "cpu", **extra}
+
+
+def train(launch: str | None, run_dir: Path, *overrides: str) -> str:
     proc = subprocess.run(
-        command(launch, run_dir, *overrides), cwd=ROOT, env=env(tmp_path), capture_output=True, text=True
+        command(launch, run_dir, *overrides), cwd=ROOT, env=env(), capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-5000:]
     return proc.stdout
@@ -104,11 +115,11 @@ def rank_pid(tag: str, rank: int) -> int | None:
 CRASH = ["train.max_steps=12", "train.save_every=3", "model.dropout=0.1"]
 
 
-def run_and_kill(tmp_path: Path, run_dir: Path, rank: int, when: object, **extra: str) -> None:
+def run_and_kill(run_dir: Path, rank: int, when: object, **extra: str) -> None:
     """Start the 2-process run, SIGKILL one rank as soon as ``when()`` holds, wait for the launcher."""
     tag = uuid.uuid4().hex
     cmd = command("cpu_zero2.yaml", run_dir, *CRASH)
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(tmp_path, TPE_TEST_TAG=tag, **extra))
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env(TPE_TEST_TAG=tag, **extra))
     deadline = time.time() + 300
     while not when():  # type: ignore[operator]
         assert proc.poll() is None and time.time() < deadline, "the run ended before the kill"
@@ -121,18 +132,18 @@ def run_and_kill(tmp_path: Path, run_dir: Path, rank: int, when: object, **extra
 
 def test_a_killed_rank_mid_training_and_mid_save_loses_and_repeats_nothing(tmp_path: Path) -> None:
     reference, crashed = tmp_path / "reference", tmp_path / "crashed"
-    train(tmp_path, "cpu_zero2.yaml", reference, *CRASH)
+    train("cpu_zero2.yaml", reference, *CRASH)
     log = crashed / "samples" / "rank-00001.jsonl"
 
     def past_step_7() -> bool:
         return log.exists() and len(log.read_text().splitlines()) >= 7
 
-    run_and_kill(tmp_path, crashed, rank=1, when=past_step_7)  # mid-training
+    run_and_kill(crashed, rank=1, when=past_step_7)  # mid-training
     assert [e.step for e in entries(crashed / "checkpoints") if e.complete] == [3, 6]
     partial = crashed / "checkpoints" / ".tmp-step-00000009"
-    run_and_kill(tmp_path, crashed, rank=0, when=partial.exists, TPE_FAULT_SAVE_DELAY="5")  # mid-save
+    run_and_kill(crashed, rank=0, when=partial.exists, TPE_FAULT_SAVE_DELAY="5")  # mid-save
     assert partial.exists() and not (crashed / "checkpoints" / "step-00000009").exists()
-    out = train(tmp_path, "cpu_zero2.yaml", crashed, *CRASH)
+    out = train("cpu_zero2.yaml", crashed, *CRASH)
     assert "resumed from" in out and "step-00000006 at step 6" in out
     assert not partial.exists()  # the partial checkpoint was ignored, then cleaned
     a, b = weights(reference, 12), weights(crashed, 12)
@@ -144,7 +155,7 @@ def test_a_killed_rank_mid_training_and_mid_save_loses_and_repeats_nothing(tmp_p
 def dp2_reference(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("dp2")
     run = tmp / "run"
-    train(tmp, "cpu_zero2.yaml", run, "train.max_steps=8", "train.save_every=4")
+    train("cpu_zero2.yaml", run, "train.max_steps=8", "train.save_every=4")
     return run
 
 
@@ -155,7 +166,7 @@ def test_resume_on_the_same_two_zero2_ranks_is_exact_with_the_save_in_the_backgr
     saves with train.async_save (its writer agrees over its own gloo group while training goes on)."""
     run = tmp_path / "run"
     start = dp2_reference / "checkpoints" / "step-00000004"
-    out = train(tmp_path, "cpu_zero2.yaml", run, f"train.resume={start}", "train.max_steps=8",
+    out = train("cpu_zero2.yaml", run, f"train.resume={start}", "train.max_steps=8",
                 "train.save_every=2", "train.async_save=true")  # fmt: skip
     assert "at step 4" in out
     assert [e.step for e in entries(run / "checkpoints") if e.complete] == [6, 8]
@@ -191,7 +202,7 @@ def test_resume_on_another_layout(
     run = tmp_path / "run"
     start = dp2_reference / "checkpoints" / "step-00000004"
     overrides = [f"train.resume={start}", "train.max_steps=8", f"train.accumulate={accumulate}"]
-    out = train(tmp_path, launch, run, *overrides, f"train.async_save={launch == 'cpu_zero3.yaml'}")
+    out = train(launch, run, *overrides, f"train.async_save={launch == 'cpu_zero3.yaml'}")
     assert "at step 4" in out
     saved = json.loads((run / "checkpoints" / "step-00000008" / "manifest.json").read_text())["layout"]
     assert saved == layout
@@ -206,7 +217,7 @@ def test_resume_under_deepspeed_without_zero(dp2_reference: Path, tmp_path: Path
     launch.write_text(text.replace("configs/deepspeed/zero2.json", "configs/deepspeed/zero0.json"))
     run = tmp_path / "run"
     start = dp2_reference / "checkpoints" / "step-00000004"
-    train(tmp_path, str(launch), run, f"train.resume={start}", "train.max_steps=8")
+    train(str(launch), run, f"train.resume={start}", "train.max_steps=8")
     saved = json.loads((run / "checkpoints" / "step-00000008" / "manifest.json").read_text())["layout"]
     assert saved == {"world_size": 2, "tp_size": 1, "dp_size": 2, "zero_stage": 0}
     ref, got = weights(dp2_reference, 8), weights(run, 8)
@@ -217,9 +228,9 @@ def test_resume_under_deepspeed_without_zero(dp2_reference: Path, tmp_path: Path
 
 def test_resume_from_one_process_on_two_ranks(tmp_path: Path) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
-    train(tmp_path, None, one, "train.max_steps=8", "train.save_every=4", "train.accumulate=2")
+    train(None, one, "train.max_steps=8", "train.save_every=4", "train.accumulate=2")
     start = one / "checkpoints" / "step-00000004"
-    train(tmp_path, "cpu_zero2.yaml", two, f"train.resume={start}", "train.max_steps=8")
+    train("cpu_zero2.yaml", two, f"train.resume={start}", "train.max_steps=8")
     ref, got = weights(one, 8), weights(two, 8)
     assert max(float((ref[k] - got[k]).abs().max()) for k in ref) < TOLERANCE
     assert global_batches(two) == {s: ids for s, ids in global_batches(one).items() if s > 4}
@@ -233,7 +244,7 @@ def test_a_checkpoint_resharded_for_tp2_resumes_on_one_process(dp2_reference: Pa
     proc = subprocess.run(
         [sys.executable, "-m", "tpe_train.ckpt.cli", "reshard", str(src), "--config_file",
          str(ROOT / "configs/accelerate/cpu_tp2.yaml"), "--out", str(out), "--deepspeed-shards"],
-        cwd=ROOT, env=env(tmp_path), capture_output=True, text=True,
+        cwd=ROOT, env=env(), capture_output=True, text=True,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-4000:]
     ckpt = out / "checkpoints" / "step-00000004"
@@ -244,6 +255,6 @@ def test_a_checkpoint_resharded_for_tp2_resumes_on_one_process(dp2_reference: Pa
     a, b = weights(dp2_reference, 4), weights(out, 4)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     run = tmp_path / "run"
-    train(tmp_path, None, run, f"train.resume={ckpt}", "train.max_steps=8", "train.accumulate=2")
+    train(None, run, f"train.resume={ckpt}", "train.max_steps=8", "train.accumulate=2")
     follows_reference(dp2_reference, run)
     shutil.rmtree(out)
