@@ -48,3 +48,9 @@ def test_set_threads_counts_the_launchers_local_processes_and_this_process_cores
         assert torch.get_num_threads() == cores
     finally:
         torch.set_num_threads(before)
+
+
+def test_only_the_first_process_of_a_node_warns(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="tpe_train"):
+        assert intra_op_threads(2, 2, 2, warn=False) == 1
+    assert caplog.records == []

@@ -37,22 +37,24 @@ def keep_freed_memory() -> bool:
     return bool(libc.mallopt(m_mmap_max, 0)) and bool(libc.mallopt(m_trim_threshold, 1 << 30))
 
 
-def intra_op_threads(asked: int, local_ranks: int, cores: int) -> int:
+def intra_op_threads(asked: int, local_ranks: int, cores: int, warn: bool = True) -> int:
     """The torch intra-op threads of one of ``local_ranks`` processes on a node whose launch may use
     ``cores`` cores: ``asked`` (``train.threads``; 0 leaves torch's default), but no more than the
     node's share of one process. OpenMP threads wait for each other at every parallel region, and a
     thread whose core another process holds makes the rest wait: the demo's ``threads: 2`` in both ranks
     of a 2-process launch on 2 cores ran 4 threads there (docs/training.md has the cost). ``torchrun``
-    sets OMP_NUM_THREADS=1 for the same reason; a larger ``train.threads`` would undo it."""
+    sets OMP_NUM_THREADS=1 for the same reason; a larger ``train.threads`` would undo it. ``warn``: say
+    so (one process of a node does, not each of its ranks)."""
     share = max(1, cores // max(1, local_ranks))
     if asked <= share:
         return asked
-    log.warning(
-        "train.threads=%d in each of %d processes on this node would run %d threads on %d cores, and "
-        "threads that wait for cores slow every step; using %d per process. Set train.threads to at "
-        "most the cores per process (%d) to silence this",
-        asked, local_ranks, asked * local_ranks, cores, share, share,
-    )  # fmt: skip
+    if warn:
+        log.warning(
+            "train.threads=%d in each of %d processes on this node would run %d threads on %d cores, and "
+            "threads that wait for cores slow every step; using %d per process. Set train.threads to at "
+            "most the cores per process (%d) to silence this",
+            asked, local_ranks, asked * local_ranks, cores, share, share,
+        )  # fmt: skip
     return share
 
 
@@ -62,4 +64,5 @@ def set_threads(asked: int) -> None:
     (what Slurm's cgroup or ``taskset`` gives this process)."""
     if asked:
         local = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
-        torch.set_num_threads(intra_op_threads(asked, local, len(os.sched_getaffinity(0))))
+        first = os.environ.get("LOCAL_RANK", "0") == "0"
+        torch.set_num_threads(intra_op_threads(asked, local, len(os.sched_getaffinity(0)), warn=first))
