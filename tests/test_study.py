@@ -129,10 +129,32 @@ def test_settings_name_the_encoding_and_where_positions_are_removed() -> None:
     assert parse_seeds("1-3,7") == [1, 2, 3, 7]
 
 
+def test_a_setting_may_name_a_position_augmentation() -> None:
+    shape = parse_setting("sinusoidal+shape")
+    assert shape == Setting("sinusoidal", "", "shape") and shape.name == "sinusoidal+shape"
+    assert shape.overrides()[-1] == "model.position.augment=shape"
+    nodec = parse_setting("rope+randomized-nodec")
+    assert (nodec.kind, nodec.variant, nodec.augment, nodec.name) == (
+        "rope", "nodec", "randomized", "rope+randomized-nodec"
+    )  # fmt: skip
+    study = Study(Path("s"), "demo", ["model.position.randomized_range=256"],
+                  settings=["learned+randomized", "learned"], seeds=[1])  # fmt: skip
+    cfg = study.config(parse_setting("learned+randomized"), 1)
+    assert (cfg.model.position.augment, cfg.model.position.randomized_range) == ("randomized", 256)
+    assert study.config(parse_setting("learned"), 1).model.position.augment == "none"
+    assert study.run_dir(parse_setting("learned+randomized"), 1) == Path("s/runs/s1-randomized/learned")
+    assert study.run_dir(nodec, 3) == Path("s/runs/s3-nodec-randomized/rope")
+    assert "trained with shape positions" in shape.describe()
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--encodings", "rotary"], "'rotary' is not a position encoding"),
+        (["--encodings", "t5+shape"], "'shape' is not a position augmentation of t5"),
+        (["--encodings", "learned+cape"], "valid: learned+shape, learned+randomized"),
+        (["--encodings", "rope+"], "'' is not a position augmentation of rope"),
+        (["--encodings", "rope+shape", "model.position.augment=cape"], "drop it from the overrides"),
         (["--encodings", "none-noenc"], "'none' has no positions to remove"),
         (["train.seed=3"], "the study sets train.seed itself"),
         (["--seeds", "1,x"], "is not a list of seeds"),

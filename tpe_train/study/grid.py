@@ -7,13 +7,16 @@ A *setting* is what one column of the study changes about position information:
 - ``<kind>-noenc``: no position information in the encoder only; the decoder keeps ``<kind>``
   (``model.position.encoder=false``);
 - ``<kind>-nodec``: no position information in the decoder only; the encoder keeps ``<kind>``
-  (``model.position.decoder=false``).
+  (``model.position.decoder=false``);
+- ``<kind>+<augment>`` (``sinusoidal+shape``, ``learned+randomized``, ``rope+cape``; with a variant,
+  ``sinusoidal+shape-nodec``): ``<kind>`` trained with a position augmentation
+  (``model.position.augment``; its parameters, such as ``randomized_range``, are the study's overrides).
 
 A study's grid is every setting x every seed, or part of it: running the study again with other
 ``--encodings``/``--seeds`` adds exactly those runs (a second seed of two settings is two runs, not a
 second seed of all seven). A study directory holds ``study.json`` (preset, overrides, settings, seeds,
 the runs when they are not the whole grid, how it was launched),
-``runs/s<seed>[-noenc|-nodec]/<kind>/`` (one tpe-train run directory each; the same layout as
+``runs/s<seed>[-noenc|-nodec][-<augment>]/<kind>/`` (one tpe-train run directory each; the same layout as
 ``tpe-launch``'s position sweep, whose run directories are ``<sweep root>/<kind>``) and ``report/``.
 """
 
@@ -39,6 +42,8 @@ VARIANTS = {"": "positions in encoder and decoder", "noenc": "no positions in th
 #: Overrides the study sets itself for every run; a user override of one of them is refused.
 STUDY_KEYS = ("model.position.kind", "model.position.encoder", "model.position.decoder", "train.seed",
               "train.run_dir")  # fmt: skip
+#: Set by a setting that names an augmentation (``<kind>+<augment>``); then not a user override as well.
+AUGMENT_KEY = "model.position.augment"
 MANIFEST = "study.json"
 RUN_LOG = "study.log"  # in each run directory: the run's output, between start and exit stamps
 
@@ -53,44 +58,64 @@ class Setting:
 
     kind: str
     variant: str = ""  # "", "noenc" or "nodec"
+    augment: str = ""  # "" or a training-time position augmentation (shape, cape, randomized)
 
     @property
     def name(self) -> str:
-        return f"{self.kind}-{self.variant}" if self.variant else self.kind
+        name = f"{self.kind}+{self.augment}" if self.augment else self.kind
+        return f"{name}-{self.variant}" if self.variant else name
+
+    @property
+    def suffix(self) -> str:
+        """What the seed's directory adds for this setting: ``-noenc``, ``-shape``, ``-nodec-cape`` ..."""
+        return "".join(f"-{part}" for part in (self.variant, self.augment) if part)
 
     def overrides(self) -> list[str]:
         """The config overrides that make a run of this setting."""
+        augment = [f"{AUGMENT_KEY}={self.augment}"] if self.augment else []
         return [
             f"model.position.kind={self.kind}",
             f"model.position.encoder={str(self.variant != 'noenc').lower()}",
             f"model.position.decoder={str(self.variant != 'nodec').lower()}",
+            *augment,
         ]
 
     def describe(self) -> str:
         if self.kind == "none":
             return "no position information anywhere"
+        kind = f"{self.kind} (trained with {self.augment} positions)" if self.augment else self.kind
         if self.variant == "noenc":
-            return f"no position information in the encoder; {self.kind} in the decoder"
+            return f"no position information in the encoder; {kind} in the decoder"
         if self.variant == "nodec":
-            return f"{self.kind} in the encoder; no position information in the decoder"
-        return f"{self.kind} in the encoder and the decoder"
+            return f"{kind} in the encoder; no position information in the decoder"
+        return f"{kind} in the encoder and the decoder"
 
 
 def parse_setting(name: str) -> Setting:
-    """``sinusoidal``, ``sinusoidal-noenc``, ``rope-nodec`` ... -> a ``Setting`` (errors list the valid)."""
+    """``sinusoidal``, ``sinusoidal-noenc``, ``rope-nodec``, ``learned+randomized`` ... -> a ``Setting``
+    (errors list the valid)."""
     kind, variant = name.strip(), ""
     for suffix in ("noenc", "nodec"):
         if kind.endswith(f"-{suffix}"):
             kind, variant = kind[: -len(suffix) - 1], suffix
+    kind, _, augment = kind.partition("+")
     if kind not in POSITIONS:
         raise StudyError(
             f"setting {name!r}: {kind!r} is not a position encoding; settings are <kind>, <kind>-noenc "
-            f"(no positions in the encoder) or <kind>-nodec (none in the decoder), kind one of "
-            f"{', '.join(POSITIONS.names())}"
+            f"(no positions in the encoder), <kind>-nodec (none in the decoder) or <kind>+<augment> "
+            f"(trained with a position augmentation), kind one of {', '.join(POSITIONS.names())}"
         )
     if kind == "none" and variant:
         raise StudyError(f"setting {name!r}: 'none' has no positions to remove; use 'none'")
-    return Setting(kind, variant)
+    if "+" in name:
+        takes = POSITIONS.get(kind).augments
+        if augment not in takes:
+            valid = ", ".join(f"{kind}+{a}" for a in takes) or f"none: {kind} takes no augmentation"
+            raise StudyError(
+                f"setting {name!r}: {augment!r} is not a position augmentation of {kind} "
+                f"(model.position.augment; docs/positions.md); valid: {valid}"
+            )
+    return Setting(kind, variant, augment)
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -134,8 +159,13 @@ class Study:
             raise StudyError(
                 f"--average must be 0 (no averaging) or a number of checkpoints, got {self.average}"
             )
-        for name in self.settings:
-            parse_setting(name)
+        augmented = [name for name in self.settings if parse_setting(name).augment]
+        if augmented and any(o.partition("=")[0].strip() == AUGMENT_KEY for o in self.overrides):
+            raise StudyError(
+                f"the settings {', '.join(augmented)} name their augmentation and the overrides set "
+                f"{AUGMENT_KEY} as well; drop it from the overrides (a study compares augmentations as "
+                "settings: <kind>+<augment>)"
+            )
         for cell in self.cells or []:
             if len(cell) != 2 or cell[0] not in self.settings or cell[1] not in self.seeds:
                 raise StudyError(
@@ -183,7 +213,7 @@ class Study:
 
     def sweep_root(self, setting: Setting, seed: int) -> Path:
         """The parent of this seed's (and variant's) run directories: one ``tpe-launch`` sweep root."""
-        return self.root / "runs" / (f"s{seed}-{setting.variant}" if setting.variant else f"s{seed}")
+        return self.root / "runs" / f"s{seed}{setting.suffix}"
 
     def run_dir(self, setting: Setting, seed: int) -> Path:
         return self.sweep_root(setting, seed) / setting.kind

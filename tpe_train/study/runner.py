@@ -7,8 +7,9 @@ command again continues a stopped study (and ``train.resume=auto`` continues a s
 as ``tpe-launch submit --script eval`` does on a cluster.
 
 On Slurm, one ``tpe-launch submit --script sweep_positions`` array per seed (and per variant: plain,
-``-noenc``, ``-nodec``), its indices picking the study's encodings, its sweep root the seed's directory
-of the study; with ``average``, one ``--script eval`` job per run after its array element.
+``-noenc``, ``-nodec``, and per augmentation), its indices picking the study's encodings, its sweep
+root the seed's directory of the study; with ``average``, one ``--script eval`` job per run after its
+array element.
 """
 
 from __future__ import annotations
@@ -337,16 +338,16 @@ def submit_slurm(study: Study, slurm_args: list[str], dry_run: bool = False, say
     base = _submit_args(slurm_args)
     if study.launch:
         base = dataclasses.replace(base, layout=study.launch)
-    groups: dict[tuple[int, str], list[Setting]] = {}
+    groups: dict[tuple[int, str], list[Setting]] = {}  # one sweep root: a seed, variant and augmentation
     for setting, seed in study.grid():
         if not study.eval_path(setting, seed).is_file():
-            groups.setdefault((seed, setting.variant), []).append(setting)
+            groups.setdefault((seed, setting.suffix), []).append(setting)
     if not groups:
         say("every run of the study has its figures already; nothing to submit")
         return
     # evaluation runs on one node in one process, whatever the training layout
     eval_base = dataclasses.replace(base, nodes=1, layout=None, procs_per_node=None, signal_before=300)
-    for (seed, variant), settings in groups.items():
+    for (seed, suffix), settings in groups.items():
         indices = [_sweep_index(s.kind) for s in settings]
         overrides = [o for o in study.run_overrides(settings[0], seed) if not o.startswith(
             ("model.position.kind=", "train.run_dir="))]  # fmt: skip
@@ -356,13 +357,15 @@ def submit_slurm(study: Study, slurm_args: list[str], dry_run: bool = False, say
             preset=study.preset,
             array=",".join(map(str, indices)),
             sweep_root=str(study.sweep_root(settings[0], seed).resolve()),
-            job_name=f"tpe-study-s{seed}{'-' + variant if variant else ''}",
+            job_name=f"tpe-study-s{seed}{suffix}",
             overrides=overrides,
         )
         shown, job = _submit(sweep, dry_run)
         say(shown.rstrip())
         if not dry_run:
-            study.slurm_jobs.append({"seed": seed, "variant": variant, "job": job, "array": indices})
+            study.slurm_jobs.append(
+                {"seed": seed, "variant": suffix.lstrip("-"), "job": job, "array": indices}
+            )
         for setting, index in zip(settings, indices, strict=True):
             if not study.average:
                 continue
