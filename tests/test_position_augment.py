@@ -89,8 +89,11 @@ def test_rope_shape_is_a_no_op_and_other_rope_augments_are_not() -> None:
         assert torch.allclose(other(src, tgt), reference, atol=1e-4) == same, augment
 
 
-def test_rope_draws_once_per_batch_for_all_layers() -> None:
-    enc = build_position("rope", pos_args(augment="randomized", randomized_range=48)).train()
+@pytest.mark.parametrize("augment", ["randomized", "cape"])
+def test_rope_draws_once_per_batch_for_all_layers(augment: str) -> None:
+    """cape always, randomized with randomized_per_layer=false: one draw per stack and batch."""
+    args = pos_args(augment=augment, randomized_range=48, randomized_per_layer=False)
+    enc = build_position("rope", args).train()
     assert isinstance(enc, RotaryPosition)
     pos = torch.arange(6)
     first = enc.augmented(pos, pos, 4)
@@ -100,6 +103,22 @@ def test_rope_draws_once_per_batch_for_all_layers() -> None:
     cross = enc.augmented(pos, torch.arange(9), 4)
     assert cross[0] is pos  # cross-attention keeps its positions
     assert enc.eval().augmented(torch.arange(6), torch.arange(6), 4)[0].shape == (6,)
+
+
+def test_rope_draws_randomized_positions_afresh_in_every_layer_by_default() -> None:
+    """The reference's RoPE samples its randomized positions inside each attention layer: every call
+    (a layer) draws anew; the queries and keys of one call share the draw."""
+    enc = build_position("rope", pos_args(augment="randomized", randomized_range=48)).train()
+    assert isinstance(enc, RotaryPosition) and enc.args.randomized_per_layer
+    pos = torch.arange(6)
+    torch.manual_seed(0)
+    layers = [enc.augmented(pos, pos, 4) for _ in range(3)]
+    for q_pos, k_pos in layers:
+        assert q_pos is k_pos and q_pos.shape == (4, 6)
+    assert not torch.equal(layers[0][0], layers[1][0]) and not torch.equal(layers[1][0], layers[2][0])
+    torch.manual_seed(0)
+    again = augment_positions(pos, 4, "randomized", randomized_range=48)
+    assert torch.equal(layers[0][0], again)  # the first layer's draw is the generator's next one
 
 
 def test_embed_adds_the_augmented_positions_in_training_only() -> None:

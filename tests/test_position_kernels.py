@@ -19,7 +19,7 @@ from tpe_train.model.transformer import Transformer
 from tpe_train.positions import PositionArgs, PositionEncoding, build_position
 from tpe_train.positions.contextual import ContextualPosition
 from tpe_train.positions.fire import FirePosition
-from tpe_train.positions.kernel import KERPLE_EPS, KerpleLog, KerplePower
+from tpe_train.positions.kernel import KERPLE_EPS, KERPLE_INIT_MARGIN, KerpleLog, KerplePower
 
 NEW = ["kerple_log", "kerple_power", "sandwich", "fire", "xpos", "cope"]
 Q_POS, K_POS = torch.arange(3, 9), torch.arange(1, 10)  # offsets, queries inside a longer key range
@@ -71,6 +71,24 @@ def test_kerple_starts_from_the_reference_draws() -> None:
         assert float(value.mean()) == pytest.approx(top / 2, abs=0.15 * top)  # uniform on (0, top)
 
 
+def test_kerple_parameters_stay_within_the_references_clamps() -> None:
+    """The reference clamps r1, r2 (and the power form's exponent) at 0.01 from below and the exponent
+    at 2 from above; draws below 0.01 start just above it (KERPLE_INIT_MARGIN)."""
+    torch.manual_seed(1)
+    power = build_position("kerple_power", PositionArgs(d_model=8192, n_heads=4096, causal=False))
+    assert isinstance(power, KerplePower)
+    low = [float(v.detach().min()) for v in power.params()]
+    assert all(
+        KERPLE_EPS < v <= KERPLE_EPS + KERPLE_INIT_MARGIN * 1.001 for v in low
+    )  # 4,096 draws: some low
+    with torch.no_grad():
+        power.r2.fill_(-1e4)  # the optimizer pushed the exponent's raw value far down
+    assert float(power.params()[1].min()) == pytest.approx(KERPLE_EPS, abs=1e-7)
+    with torch.no_grad():
+        power.r2.fill_(1e4)
+    assert float(power.params()[1].max()) == pytest.approx(2.0, abs=1e-6)
+
+
 def test_sandwich_matches_the_sinusoid_product_scaled_per_head() -> None:
     dim = 16
     enc = build_position("sandwich", args(False, sandwich_dim=dim))
@@ -99,7 +117,7 @@ def test_fire_matches_the_mlp_of_the_normalised_distance(causal: bool) -> None:
     for out, L in ((got, threshold), (small, 5.0)):
         for a, i in enumerate(Q_POS.tolist()):
             for b, j in enumerate(K_POS.tolist()):
-                x = math.log(c * abs(i - j) + 1) / (math.log(c * max(L, i) + 1) + 1e-6)
+                x = math.log(c * abs(i - j) + 1) / (math.log(c * max(L, i, j) + 1) + 1e-6)
                 hidden = [max(0.0, w * x + bb) for w, bb in zip(w1, b1, strict=True)]
                 side = enc.right if (j > i and enc.right is not None) else enc.left
                 for h in range(4):
@@ -107,6 +125,39 @@ def test_fire_matches_the_mlp_of_the_normalised_distance(causal: bool) -> None:
                     want = sum(r * v for r, v in zip(row, hidden, strict=True)) + float(side.bias[h])
                     assert out[h, a, b].item() == pytest.approx(want, rel=1e-4, abs=1e-5)
     assert (enc.right is None) == causal
+
+
+def test_fire_feeds_its_mlp_inputs_within_0_and_1_at_any_length_on_both_sides() -> None:
+    """The two-sided form normalises by psi(max(L, i, j)): keys after an early query, far beyond L, stay
+    within [0, 1]; keys at or before the query keep the paper's psi(max(L, i))."""
+    enc = build_position("fire", PositionArgs(d_model=16, n_heads=4, causal=False, fire_threshold=8.0))
+    assert isinstance(enc, FirePosition)
+    pos = torch.arange(200)
+    with torch.no_grad():
+        x = enc.normalised(pos, pos)
+    assert float(x.min()) >= 0 and float(x.max()) <= 1.0
+    c, i, j = 0.1, pos[:, None].double(), pos[None, :].double()
+    paper = torch.log1p(c * (i - j).abs()) / (torch.log1p(c * torch.clamp(i, min=8.0)) + 1e-6)
+    before = j <= i
+    torch.testing.assert_close(x.double()[before], paper[before], rtol=1e-6, atol=1e-7)
+    assert float(paper[~before].max()) > 1.5  # what the query's normaliser alone gave after it
+
+
+def test_xpos_in_fp16_is_refused_where_its_key_scale_leaves_fp16s_range() -> None:
+    from tpe_train.positions.rotary import XposPosition
+
+    limit = XposPosition.fp16_positions(512.0)
+    enc = build_position("xpos", PositionArgs(d_model=16, n_heads=1, causal=True))
+    assert isinstance(enc, XposPosition)
+    scale = enc.decay(torch.tensor([limit, limit + 200]), -1.0)  # the keys' zeta^(-j/gamma)
+    assert float(scale[0].max()) * XposPosition.FP16_HEADROOM <= 65504.0
+    assert float(scale[1].max()) * XposPosition.FP16_HEADROOM > 65504.0
+    load_config("demo", ["model.position.kind=xpos", "train.fp16=true"])  # translation lengths: fine
+    load_config("demo", ["model.position.kind=xpos", "train.bf16=true", "data.max_len=4000"])
+    load_config("demo", ["model.position.kind=xpos", "train.fp16=true", "data.max_len=4000",
+                         "model.position.decoder=false"])  # fmt: skip
+    with pytest.raises(ConfigError, match=r"xpos under train\.fp16.*use train\.bf16"):
+        load_config("demo", ["model.position.kind=xpos", "train.fp16=true", "data.max_len=4000"])
 
 
 def test_xpos_scores_decay_per_frequency_pair_in_the_decoder_only() -> None:
@@ -134,10 +185,14 @@ def test_xpos_scores_decay_per_frequency_pair_in_the_decoder_only() -> None:
         assert torch.equal(x, y)  # the encoder: RoPE, bitwise
 
 
+@pytest.mark.parametrize("divide", [True, False])
 @pytest.mark.parametrize("causal", [False, True])
-def test_cope_matches_the_gated_counts_between_query_and_key(causal: bool) -> None:
+def test_cope_matches_the_gated_counts_between_query_and_key(causal: bool, divide: bool) -> None:
+    """The term q_i . e[p_ij], divided by sqrt(hd) = 2 as the authors' code divides it with q . k (their
+    default), or not (their --cope-nodiv: cope_divide=false)."""
     torch.manual_seed(0)
-    enc = build_position("cope", PositionArgs(d_model=8, n_heads=2, causal=causal, cope_positions=5))
+    args = PositionArgs(d_model=8, n_heads=2, causal=causal, cope_positions=5, cope_divide=divide)
+    enc = build_position("cope", args)
     assert isinstance(enc, ContextualPosition)
     with torch.no_grad():
         enc.table.normal_()
@@ -155,7 +210,7 @@ def test_cope_matches_the_gated_counts_between_query_and_key(causal: bool) -> No
                 p = min(p, 4.0)
                 lo, hi = math.floor(p), math.ceil(p)
                 at = [float(q[0, h, a] @ table[:, c]) for c in (lo, hi)]
-                want = at[1] * (p - lo) + at[0] * (1 - (p - lo))
+                want = (at[1] * (p - lo) + at[0] * (1 - (p - lo))) / (2 if divide else 1)  # sqrt(hd)
                 assert got[h, a, b].item() == pytest.approx(want, rel=1e-4, abs=1e-5)
 
 

@@ -30,8 +30,8 @@ MODEL_FIELDS = ("d_model", "n_heads", "ffn_dim", "encoder_layers", "decoder_laye
                 "attention_dropout", "activation_dropout", "pre_norm", "attention")  # fmt: skip
 POSITION_FIELDS = ("max_positions", "shaw_clip", "shaw_values", "t5_buckets", "t5_max_distance", "rope_base",
                    "sandwich_dim", "fire_width", "fire_threshold", "xpos_scale_base", "cope_positions",
-                   "augment", "augment_max_shift", "cape_shift", "cape_jitter", "cape_scale",
-                   "randomized_range")  # fmt: skip
+                   "cope_divide", "augment", "augment_max_shift", "cape_shift", "cape_jitter", "cape_scale",
+                   "randomized_range", "randomized_per_layer")  # fmt: skip
 
 #: The built-in encodings (an installed package may register more: docs/positions.md).
 _TAKES = "one of " + ", ".join(POSITIONS.names())
@@ -84,6 +84,10 @@ class PositionConfig(Section):
     factor in [1/s, s] (1: no scaling)."""
     randomized_range: Int = Field(POSITION_DEFAULTS["randomized_range"], ge=2)
     """randomized: positions are drawn from 0..R-1, R > data.max_len + 1 (learned: max_positions >= R)."""
+    randomized_per_layer: Bool = POSITION_DEFAULTS["randomized_per_layer"]
+    """randomized on rope: draw the positions afresh in every attention layer, as the reference's RoPE
+    does (false: one draw per stack and batch, shared by the layers, as sinusoidal and learned add
+    theirs once)."""
     sandwich_dim: Int = Field(POSITION_DEFAULTS["sandwich_dim"], ge=2)
     """sandwich: d', the width of the sinusoidal embeddings whose inner product is the bias (even)."""
     fire_width: Int = Field(POSITION_DEFAULTS["fire_width"], ge=1)
@@ -94,6 +98,9 @@ class PositionConfig(Section):
     """xpos: gamma, the distance over which a pair's contribution decays by its zeta."""
     cope_positions: Int = Field(POSITION_DEFAULTS["cope_positions"], ge=2)
     """cope: columns of the contextual position table (counts of gated keys; larger counts take the last)."""
+    cope_divide: Bool = POSITION_DEFAULTS["cope_divide"]
+    """cope: divide the term q.e[p] by sqrt(head dim) together with q.k, as the authors' code does by
+    default (false: their --cope-nodiv form, the term added after the division)."""
 
     @model_validator(mode="after")
     def _known(self) -> PositionConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 from pathlib import Path
 from typing import Any, Literal
@@ -12,6 +13,7 @@ from pydantic import Field, field_serializer, field_validator, model_validator
 from tpe_train.config.model_sections import ModelConfig, PositionConfig
 from tpe_train.config.section import ConfigError, Section
 from tpe_train.config.types import Beta, Bool, Buckets, Float, Int, Seed, Text
+from tpe_train.positions.rotary import XposPosition
 
 __all__ = ["ConfigError", "ModelConfig", "PositionConfig", "Section"]
 
@@ -350,6 +352,25 @@ def check_augment_lengths(cfg: Config) -> None:
         )
 
 
+def check_xpos_fp16(cfg: Config) -> None:
+    """Refuse xPos in the decoder under fp16 when its positions may pass the key scale's fp16 range:
+    training sequences (data.max_len + BOS) and the translations of training-length sources
+    (eval.max_len_a * data.max_len + eval.max_len_b)."""
+    p = cfg.model.position
+    if not (cfg.train.fp16 and p.kind == "xpos" and p.decoder):
+        return
+    limit = XposPosition.fp16_positions(p.xpos_scale_base)
+    longest = max(cfg.data.max_len + 1, int(cfg.eval.max_len_a * cfg.data.max_len) + cfg.eval.max_len_b + 1)
+    if longest > limit:
+        raise ValueError(
+            f"model.position.kind=xpos under train.fp16: the decoder's key scale zeta^(-j/gamma) passes "
+            f"fp16's range beyond position {limit} (xpos_scale_base={p.xpos_scale_base:g}), but sequences "
+            f"reach {longest} positions (data.max_len, or eval.max_len_a * data.max_len + max_len_b); "
+            f"use train.bf16, or raise model.position.xpos_scale_base to at least "
+            f"{math.ceil(p.xpos_scale_base * longest / limit)}, or lower data.max_len and eval.max_len_b"
+        )
+
+
 class Config(Section):
     preset: Text = Field(
         "demo", json_schema_extra={"takes": "letters, digits and ._-, starting with a letter or digit"}
@@ -390,6 +411,7 @@ class Config(Section):
                 "max_positions or lower data.max_len"
             )
         check_augment_lengths(self)
+        check_xpos_fp16(self)
         n, select = self.eval.average_last, self.eval.select
         if select == "average_last" and n < 2:
             raise ValueError(

@@ -59,11 +59,13 @@ class PositionArgs:
     cape_jitter: float = 0.5  # cape: per-position jitter ~ U[-e, e]
     cape_scale: float = 1.03  # cape: scale, log-uniform in [1/s, s]
     randomized_range: int = 1024  # randomized: positions drawn from {0..R-1}
+    randomized_per_layer: bool = True  # randomized on rope: a fresh draw in every layer (the reference's)
     sandwich_dim: int = 128  # Sandwich: d', the width of the sinusoidal embeddings whose product is the bias
     fire_width: int = 32  # FIRE: hidden units of the MLP f
     fire_threshold: float = 512.0  # FIRE: initial L of the normaliser psi(max(L, i))
     xpos_scale_base: float = 512.0  # xPos: gamma, the distance over which the decay is zeta
     cope_positions: int = 64  # CoPE: columns of the position table (larger counts take the last)
+    cope_divide: bool = True  # CoPE: q.e[p] divided by sqrt(hd) with q.k, as the authors' code by default
 
     @property
     def head_dim(self) -> int:

@@ -2,9 +2,12 @@
 
 The gate g_it = sigmoid(q_i . k_t / sqrt(hd)) says whether key t counts; the position of key j seen from
 query i is p_ij = sum of g_it over the keys t from j to i, a fraction in general. The logit term is
-q_i . e[p_ij], interpolated between the rows e[floor p_ij] and e[ceil p_ij] of a learned table e
+q_i . e[p_ij] / sqrt(hd), interpolated between the rows e[floor p_ij] and e[ceil p_ij] of a learned table e
 (``cope_positions`` rows; larger counts take the last), computed as q_i . e[p] for every integer p once
-and then gathered, as in the paper's code. The table starts at zero, as there.
+and then gathered, as in the paper's code. The table starts at zero, as there. The authors' code adds
+q_i . e[p_ij] to q_i . k_j and divides the sum by sqrt(hd) (its default; its ``--cope-nodiv`` adds the
+term after the division): attention here divides q . k itself, so the term comes divided
+(``cope_divide``, default true; false: the ``--cope-nodiv`` form).
 
 Masked keys (padding, and in the decoder the future) count nothing. The paper's form is causal (t from j
 up to i). Two-sided form for the encoder: t runs between j and i in either direction, the count of the
@@ -27,7 +30,8 @@ from tpe_train.positions.base import POSITIONS, PositionArgs, PositionEncoding
 
 @POSITIONS.register("cope")
 class ContextualPosition(PositionEncoding):
-    """CoPE: logits += q_i . e[p_ij], p_ij = sum_{t between j and i} sigmoid(q_i . k_t / sqrt(hd))."""
+    """CoPE: logits += q_i . e[p_ij] / sqrt(hd), with
+    p_ij = sum_{t between j and i} sigmoid(q_i . k_t / sqrt(hd))."""
 
     per_layer = True
     needs_keys = True
@@ -61,4 +65,7 @@ class ContextualPosition(PositionEncoding):
         w = p - floor
         low = per_count.gather(-1, floor.long())
         high = per_count.gather(-1, ceil.long())
-        return (high * w + low * (1 - w)).to(q.dtype)
+        term = high * w + low * (1 - w)
+        if self.args.cope_divide:
+            term = term * q.shape[-1] ** -0.5
+        return term.to(q.dtype)

@@ -1,9 +1,13 @@
 """FIRE (Li et al. 2024, functional interpolation for relative positions): a learned bias
 f(psi(|i - j|) / psi(max(L, i))) with psi(x) = log(c x + 1), f a small MLP with one output per head.
 
-The paper's form is causal (keys j <= i, query position i). Two-sided form for the encoder: the same
-input psi(|i - j|) / psi(max(L, i)) (the normaliser by the query's position, as in the paper), and two
-output layers of the MLP, one for keys at or before the query and one for keys after it. With a single
+The paper's form is causal (keys j <= i, query position i). Two-sided form for the encoder: the input
+psi(|i - j|) / psi(max(L, i, j)), the normaliser by the later of the two positions, which is the
+query's for keys at or before it (the paper's form) and keeps every input within [0, 1] for keys after
+it too (normalised by the query's position alone, a key n positions after an early query would feed
+the MLP inputs up to psi(n) / psi(L), above 1 once n > L: values it never saw in training, which the
+paper's bounded input is there to avoid); and two output layers of the MLP, one for keys at or
+before the query and one for keys after it. With a single
 output over |i - j| the encoder's bias would be symmetric and FIRE would no longer contain the
 bidirectional T5 bias (separate buckets for each sign), one of the biases the paper shows it contains;
 the hidden layer, c and L stay shared by the two sides. The decoder has the left layer only.
@@ -28,9 +32,9 @@ FIRE_EPS = 1e-6
 
 @POSITIONS.register("fire")
 class FirePosition(PositionEncoding):
-    """FIRE: b_h(i, j) = f_h(psi(|i - j|) / psi(max(L, i))); learned c, learned multiplier m of the
-    threshold L = |m| * L0 (L0 = ``model.position.fire_threshold``), and the MLP f: 1 -> width (ReLU)
-    -> heads (two-sided in the encoder: one output layer per side)."""
+    """FIRE: b_h(i, j) = f_h(psi(|i - j|) / psi(max(L, i, j))) (max(L, i) for keys j <= i); learned c,
+    learned multiplier m of the threshold L = |m| * L0 (L0 = ``model.position.fire_threshold``), and the
+    MLP f: 1 -> width (ReLU) -> heads (two-sided in the encoder: one output layer per side)."""
 
     has_bias = True
     shared_bias = True
@@ -81,16 +85,17 @@ class FirePosition(PositionEncoding):
         super().keep_heads(heads)
 
     def normalised(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
-        """psi(|i - j|) / psi(max(L, i)): (Lq, Lk) in float32 (fp64 parameters: fp64), i the query
-        position."""
+        """psi(|i - j|) / psi(max(L, i, j)): (Lq, Lk) in float32 (fp64 parameters: fp64), i the query
+        position and j the key's (max(L, i) for every key at or before the query: the paper's form)."""
         wide = torch.promote_types(self.c.dtype, torch.float32)  # fp32, or fp64 for an fp64 reference
         c = self.c.to(wide).abs()
         threshold = (self.multiplier.to(wide) * self.args.fire_threshold).abs()
         if self.threshold is not None:
             threshold = torch.full_like(threshold, self.threshold)
         rel = (k_pos[None, :] - q_pos[:, None]).abs().to(wide)
-        norm = torch.log1p(c * torch.maximum(q_pos.to(wide), threshold)) + FIRE_EPS
-        return torch.log1p(c * rel) / norm[:, None]
+        later = torch.maximum(q_pos[:, None], k_pos[None, :]).to(wide)  # (Lq, Lk)
+        norm = torch.log1p(c * torch.maximum(later, threshold)) + FIRE_EPS
+        return torch.log1p(c * rel) / norm
 
     @staticmethod
     def linear(layer: nn.Linear, x: Tensor) -> Tensor:

@@ -19,6 +19,9 @@ from tpe_train.positions.base import POSITIONS, PositionArgs, PositionEncoding, 
 
 #: the smallest value of a kernel parameter (the reference implementation clamps them at 0.01)
 KERPLE_EPS = 0.01
+#: how far above KERPLE_EPS a draw below it starts: the reference clamps such a draw to 0.01 exactly, a
+#: value that EPS + softplus(raw) reaches only as raw -> -inf (softplus^-1(1e-4) is about -9.2)
+KERPLE_INIT_MARGIN = 1e-4
 
 
 def inverse_softplus(x: Tensor) -> Tensor:
@@ -44,7 +47,8 @@ class _Kernel(PositionEncoding):
 
     r = EPS + softplus(raw) keeps each parameter above the reference's clamp without the reference's
     in-place projection of the parameter after each step (which the optimizer's fp32 master copy
-    under ZeRO would not see); the initial values follow the reference's uniform draws."""
+    under ZeRO would not see); the initial values follow the reference's uniform draws, a draw below
+    the clamp starting at EPS + ``KERPLE_INIT_MARGIN`` (the reference: at EPS)."""
 
     has_bias = True
     shared_bias = True
@@ -62,7 +66,7 @@ class _Kernel(PositionEncoding):
         super().__init__(args)
         self.distance_scale = 1.0
         h = args.n_heads
-        draws = [(torch.rand(h) * top).clamp(min=2 * KERPLE_EPS) for top in self.init]
+        draws = [(torch.rand(h) * top).clamp(min=KERPLE_EPS + KERPLE_INIT_MARGIN) for top in self.init]
         self.r1 = nn.Parameter(self.raw(draws[0], 0))
         self.r2 = nn.Parameter(self.raw(draws[1], 1))
 
@@ -131,19 +135,23 @@ class KerpleLog(_Kernel):
 
 @POSITIONS.register("kerple_power")
 class KerplePower(_Kernel):
-    """KERPLE's power kernel: -r1 * |i - j|^r2, r1 > 0 and 0 < r2 <= 2 per head; initial
-    r1 ~ U(0, 1), r2 ~ U(0, 2) as in the reference implementation. r2 = 2 * sigmoid(raw) keeps the
-    exponent in (0, 2), the range where the kernel is conditionally positive definite."""
+    """KERPLE's power kernel: -r1 * |i - j|^r2, r1 > 0.01 and 0.01 < r2 < 2 per head; initial
+    r1 ~ U(0, 1), r2 ~ U(0, 2) as in the reference implementation. r2 = EPS + (2 - EPS) * sigmoid(raw)
+    keeps the exponent within the reference's clamp [0.01, 2] (the kernel is conditionally positive
+    definite for exponents in (0, 2])."""
 
     init = (1.0, 2.0)
 
     def raw(self, value: Tensor, which: int) -> Tensor:
         if which == 0:
             return super().raw(value, which)
-        return torch.logit(value.clamp(max=2 - 2 * KERPLE_EPS) / 2)
+        top = 2 - KERPLE_INIT_MARGIN
+        return torch.logit((value.clamp(max=top) - KERPLE_EPS) / (2 - KERPLE_EPS))
 
     def value(self, raw: Tensor, which: int) -> Tensor:
-        return super().value(raw, which) if which == 0 else 2 * torch.sigmoid(raw)
+        if which == 0:
+            return super().value(raw, which)
+        return KERPLE_EPS + (2 - KERPLE_EPS) * torch.sigmoid(raw)
 
     def kernel(self, r1: Tensor, r2: Tensor, d: Tensor) -> Tensor:
         return -r1 * torch.pow(d, r2)

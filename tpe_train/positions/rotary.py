@@ -118,10 +118,15 @@ class RotaryPosition(PositionEncoding):
 
     def augmented(self, q_pos: Tensor, k_pos: Tensor, batch: int) -> tuple[Tensor, Tensor]:
         """Self-attention's positions in training under ``model.position.augment``: (batch, L), drawn
-        once per batch and stack (``memo``: every layer sees the same draw). Cross-attention (query
-        and key positions of two sequences) keeps its positions."""
+        once per batch and stack (``memo``: every layer sees the same draw), or with ``randomized``
+        and ``randomized_per_layer`` once per layer, as the reference's RoPE draws them in each
+        attention layer (queries and keys of a layer share the draw). Cross-attention (query and key
+        positions of two sequences) keeps its positions."""
         if not self.training or q_pos is not k_pos or self.args.augment not in self.augments:
             return q_pos, k_pos
+        if self.args.augment == "randomized" and self.args.randomized_per_layer:
+            pos = self.train_positions(q_pos, batch)
+            return pos, pos
         pos = self.memo("augment", (q_pos,), torch.float64, lambda: self.train_positions(q_pos, batch))
         return pos, pos
 
@@ -146,10 +151,22 @@ class XposPosition(RotaryPosition):
     rotation (it would take two score matrices per call, outside every fused kernel): the encoder and
     cross-attention take plain RoPE. Positions are not centred (the reference centres them against
     overflow over long documents): at translation lengths zeta^(+-n/gamma) stays within
-    [0.08, 12.3] for n <= 1024."""
+    [0.08, 12.3] for n <= 1024. Under ``train.fp16`` the key scale overflows past a few thousand
+    positions (``fp16_positions``), and a config whose sequences or translations may reach beyond
+    that is refused when it loads."""
 
     #: the paper's gamma_0 of zeta_k = (2k/hd + gamma_0) / (1 + gamma_0)
     zeta_offset = 0.4
+    #: in fp16 the key scale zeta^(-j/gamma) times a key element must stay below fp16's maximum: the
+    #: scale is kept at or below 65504 / FP16_HEADROOM, room for key elements up to this magnitude
+    FP16_HEADROOM = 256.0
+
+    @classmethod
+    def fp16_positions(cls, scale_base: float) -> int:
+        """The last position whose key scale zeta_0^(-j/gamma) (zeta_0 = 0.4 / 1.4, the largest of
+        the scales) stays within 65504 / ``FP16_HEADROOM``: 2,266 positions for gamma = 512."""
+        zeta0 = cls.zeta_offset / (1 + cls.zeta_offset)
+        return int(scale_base * math.log(65504.0 / cls.FP16_HEADROOM) / math.log(1 / zeta0))
 
     def zeta(self, device: torch.device) -> Tensor:
         """zeta_k of each dimension in the half-split layout: (hd,) float64."""
