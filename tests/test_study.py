@@ -651,3 +651,80 @@ def test_an_archive_holds_the_figures_without_weights_or_machine_paths(
     assert main(["archive", str(study_dir), str(tmp_path / "notes")]) == 2
     assert "is not a study archive" in capsys.readouterr().err
     assert (tmp_path / "notes" / "todo.txt").read_text() == "mine\n"
+
+
+def _finished(study: Study, name: str, seed: int, bleu: float, hypotheses: list[str] | None) -> None:
+    """A finished run of ``study`` with hand-written figures and, if given, kept test hypotheses."""
+    path = study.eval_path(parse_setting(name), seed)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({**_figures(bleu, {"1-10": bleu}), "test_set": "test"}))
+    if hypotheses is not None:
+        files = EvalFiles(path.parent)
+        files.hypotheses("test").parent.mkdir()
+        files.hypotheses("test").write_text("\n".join(hypotheses) + "\n")
+        files.references("test").write_text("\n".join(REFS) + "\n")
+
+
+REFS = [f"the cat {i} sees a dog near the river bank today" for i in range(40)]
+
+
+def test_a_report_joins_study_directories_with_their_own_overrides(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An archive without hypotheses (the first seven, say), a new study that trained `sinusoidal` again
+    and a newer encoding, and a study with an override of its own: one report, each part's overrides
+    listed, the twice-held cell taken from the directory named first, paired tests where both sides
+    kept hypotheses (the new study lends its references to the others)."""
+    archive = Study(tmp_path / "archive", "demo", settings=["none", "sinusoidal"], seeds=[1])
+    new = Study(tmp_path / "new", "demo", settings=["sinusoidal", "kerple_log"], seeds=[1])
+    aug = Study(tmp_path / "aug", "demo", ["model.position.randomized_range=256"],
+                settings=["learned+randomized"], seeds=[1])  # fmt: skip
+    for study in (archive, new, aug):
+        study.save()
+    _finished(archive, "none", 1, 40.0, None)
+    _finished(archive, "sinusoidal", 1, 99.0, None)
+    _finished(new, "sinusoidal", 1, 98.0, REFS)
+    _finished(new, "kerple_log", 1, 60.0, [r if i % 3 else "a dog" for i, r in enumerate(REFS)])
+    aug_hyp = [r.replace("river", "lake") for r in REFS]
+    _finished(aug, "learned+randomized", 1, 90.0, aug_hyp)
+    EvalFiles(aug.run_dir(parse_setting("learned+randomized"), 1)).references("test").unlink()  # an archive's
+    out = tmp_path / "combined"
+    argv = [
+        "report",
+        str(tmp_path / "new"),
+        "--include",
+        str(tmp_path / "archive"),
+        "--include",
+        str(aug.root),
+    ]
+    assert main([*argv, "--out", str(out)]) == 0
+    report = (out / "report.md").read_text()
+    assert str(tmp_path) not in report  # parts are named by their folder, no machine path
+    assert "Combined from 3 study directories: `new` (2 settings x 1 seed (1); overrides: none)" in report
+    assert "`aug` (1 setting x 1 seed (1); overrides: `model.position.randomized_range=256`)" in report
+    assert "`sinusoidal` seed 1 from `new` (archive's copy: BLEU 99.00)" in report
+    rows: dict[str, str] = {}
+    for line in report.splitlines():  # the first row of a setting is the table's; later ones list runs
+        if line.startswith("| `"):
+            rows.setdefault(line.split(" | ")[0], line)
+    assert rows["| `sinusoidal`"].startswith("| `sinusoidal` | 1 | 98.0 |")  # the new study's run
+    assert rows["| `none`"].startswith("| `none` | 1 | 40.0 |")
+    assert "| `learned+randomized` | 1 | 90.0 |" in report
+    assert (
+        "`archive/runs/s1/none/eval.json`" in report
+        and "`aug/runs/s1-randomized/learned/eval.json`" in report
+    )
+    tests = json.loads((out / "summary.json").read_text())["settings"]
+    assert tests["kerple_log"]["paired"]["per_seed"]["1"]["bleu"]["delta"] < 0  # a third of it is wrong
+    assert tests["learned+randomized"]["paired"]["per_seed"]["1"]["bleu"]["delta"] < 0  # lent references
+    assert tests["none"]["paired"]["seeds_without_hypotheses"] == [1]
+    assert [p["study"] for p in json.loads((out / "summary.json").read_text())["parts"]] == [
+        "new",
+        "archive",
+        "aug",
+    ]
+    # parts of another preset cannot share a report
+    Study(tmp_path / "m30k", "multi30k_en_de", settings=["rope"], seeds=[1]).save()
+    assert main([*argv[:2], "--include", str(tmp_path / "m30k"), "--out", str(tmp_path / "x")]) == 2
+    assert "has preset='multi30k_en_de'" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

@@ -108,6 +108,16 @@ def report_parser() -> argparse.ArgumentParser:
     p.add_argument("study_dir")
     p.add_argument("--heatmap-positions", type=int, default=128, help="positions in the similarity heat maps")
     p.add_argument("--baseline", default=None, help="the setting paired tests compare against (this report)")
+    p.add_argument(
+        "--include",
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="another study directory or archive of the same preset whose runs join this report (repeatable; "
+        "its overrides may differ and are listed); a setting and seed held by two directories is taken from "
+        "the one named first (STUDY_DIR, then the --include order), the other's BLEU noted",
+    )
+    p.add_argument("--out", default=None, help="the report folder (default STUDY_DIR/report)")
     return p
 
 
@@ -207,6 +217,11 @@ def cmd_report(argv: list[str]) -> int:
 
     args = report_parser().parse_args(argv)
     study = Study.load(Path(args.study_dir))
+    if args.include or args.out:
+        from tpe_train.study.combine import combine
+
+        others = [Study.load(Path(d)) for d in args.include]
+        study = combine(study, others, Path(args.out) if args.out else None)
     if args.baseline is not None:
         study = dataclasses.replace(study, baseline=args.baseline)  # validated as a setting of the study
     print(f"report: {write_report(study, args.heatmap_positions)}")

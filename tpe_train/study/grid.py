@@ -235,6 +235,14 @@ class Study:
     def report_dir(self) -> Path:
         return self.root / "report"
 
+    def where(self, path: Path) -> str:
+        """A run's file as the report names it: relative to the study directory where it lies there."""
+        return str(path.relative_to(self.root) if path.is_relative_to(self.root) else path)
+
+    def provenance(self) -> str:
+        """The report's line on where the runs come from and what they changed of the preset."""
+        return "Overrides: " + (" ".join(f"`{o}`" for o in self.overrides) or "none") + "."
+
     # -- configs and commands -----------------------------------------------------------------------
     def run_overrides(self, setting: Setting, seed: int) -> list[str]:
         """Overrides of one run: quiet progress, the user's, the setting's, seed and run directory."""

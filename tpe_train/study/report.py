@@ -86,10 +86,7 @@ def markdown(
     lines = [
         f"# Position-encoding study: preset `{study.preset}`",
         "",
-        f"{study.describe_grid()}; "
-        f"{len(done)} of {len(runs)} runs have figures. Overrides: "
-        + (" ".join(f"`{o}`" for o in study.overrides) or "none")
-        + ".",
+        f"{study.describe_grid()}; {len(done)} of {len(runs)} runs have figures. {study.provenance()}",
         "",
         "Each cell is the mean ± sample standard deviation over the seeds present (a single seed: its value)"
         + (
@@ -164,7 +161,7 @@ def markdown(
     lines += ["", "## Runs", "", "| setting | seed | BLEU | wall | figures |", "|---|---|---|---|---|"]
     walls = [w for w in (r.wall() for r in runs) if w is not None]
     for r in runs:
-        where = r.eval_path.relative_to(study.root) if r.eval_path.is_relative_to(study.root) else r.eval_path
+        where = study.where(r.eval_path)
         bleu = f"{r.metrics['bleu']:.2f}" if r.metrics else "missing"
         wall = r.wall()
         lines.append(
@@ -228,9 +225,14 @@ def significance_section(tests: list[SettingTests], baseline: str) -> list[str]:
 def summary(study: Study, rows: list[Row], tests: list[SettingTests] | None = None) -> dict[str, Any]:
     """The aggregated figures as JSON (``report/summary.json``)."""
     by_setting = {t.setting: t for t in tests or []}
+    parts = [
+        {"study": p.root.name, "overrides": p.overrides, "settings": p.settings, "seeds": p.seeds}
+        for p in getattr(study, "parts", [])
+    ]
     return {
         "preset": study.preset,
         "overrides": study.overrides,
+        **({"parts": parts} if parts else {}),
         "seeds": study.seeds,
         "average": study.average,
         "baseline": study.baseline_setting,
