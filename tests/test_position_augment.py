@@ -197,6 +197,7 @@ def config(**position: object) -> Config:
         ({"kind": "learned", "augment": "cape"}, "integer positions only"),
         ({"kind": "t5", "augment": "shape"}, "augment=none"),
         ({"kind": "alibi", "augment": "randomized"}, "augment=none"),
+        ({"kind": "xpos", "augment": "shape"}, "augment=none"),
         ({"kind": "shaw", "augment": "cape"}, "augment=none"),
         ({"kind": "none", "augment": "shape"}, "augment=none"),
         ({"kind": "learned", "augment": "shape", "max_positions": 100}, "at least 551"),

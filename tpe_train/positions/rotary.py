@@ -155,6 +155,9 @@ class XposPosition(RotaryPosition):
     positions (``fp16_positions``), and a config whose sequences or translations may reach beyond
     that is refused when it loads."""
 
+    #: no augmentation: the decoder's scaled rotation reads the positions as they are, so an augmentation
+    #: would reach the encoder (plain RoPE) only; refused when the config loads rather than half applied
+    augments: ClassVar[tuple[str, ...]] = ()
     #: the paper's gamma_0 of zeta_k = (2k/hd + gamma_0) / (1 + gamma_0)
     zeta_offset = 0.4
     #: in fp16 the key scale zeta^(-j/gamma) times a key element must stay below fp16's maximum: the
