@@ -46,7 +46,6 @@ class _Kernel(PositionEncoding):
     in-place projection of the parameter after each step (which the optimizer's fp32 master copy
     under ZeRO would not see); the initial values follow the reference's uniform draws."""
 
-    has_bias = True
     shared_bias = True
     tp_split = "heads"
 
@@ -171,7 +170,6 @@ class SandwichPosition(PositionEncoding):
     Parameter-free. The sum is even in i - j, so the encoder takes it as it is. d' is
     ``model.position.sandwich_dim``."""
 
-    has_bias = True
     shared_bias = True
     tp_split = "heads"
     scales: Tensor
