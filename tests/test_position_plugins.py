@@ -5,7 +5,6 @@ and the packages whose entry points cannot be used."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
@@ -13,42 +12,12 @@ import pytest
 from safetensors.torch import load_file
 
 from launcher.plan import POSITION_SWEEP
-from tests.support.plugin_pkg import env_with, install_bad, install_good
+from tests.support.plugin_pkg import TINY, command, env_with, install_bad, install_good, run
 from tpe_train.positions import POSITIONS
 
 pytestmark = pytest.mark.integration  # every test here starts the project's commands
 
 BUILTINS = POSITION_SWEEP  # the built-ins, in the sweep's fixed order
-TINY = [
-    "data.synthetic.train_size=200",
-    "data.synthetic.valid_size=8",
-    "data.synthetic.test_size=10",
-    "data.synthetic.long_size=4",
-    "data.synthetic.probe_size=4",
-    "data.synthetic.max_words=10",
-    "data.synthetic.long_max_words=12",
-    "data.vocab_size=150",
-    "data.max_tokens=512",
-    "model.d_model=16",
-    "model.ffn_dim=32",
-    "model.n_heads=2",
-    "model.encoder_layers=1",
-    "model.decoder_layers=1",
-    "train.max_steps=2",
-    "train.valid_bleu_size=0",
-    "train.progress=false",
-    "eval.beam=1",
-    "eval.length_buckets=[6,12]",
-]
-
-
-def run(args: list[str], env: dict[str, str], cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, capture_output=True, text=True, env=env, cwd=cwd, timeout=600)
-
-
-def command(name: str) -> list[str]:
-    """A console script as the user types it (tpe-train, tpe-launch ...), from this interpreter's bin."""
-    return [str(Path(sys.executable).parent / name)]
 
 
 @pytest.fixture(scope="module")

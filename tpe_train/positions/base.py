@@ -1,13 +1,19 @@
 """The position-encoding interface: one module, three hooks with identity defaults.
 
-Attention calls all three hooks and never branches on an encoding's name:
+Attention calls the hooks an encoding defines and never branches on its name:
 
 - ``embed(x, pos)``: added to the token embeddings (sinusoidal, learned absolute).
 - ``rotate(q, k, q_pos, k_pos)``: a rotation of queries and keys (RoPE).
 - ``attn_bias(q, q_pos, k_pos)``: additive attention logits (T5 buckets, ALiBi, Shaw's relative keys).
 
-An encoding whose logits need the keys too (CoPE) sets ``needs_keys``; attention then calls
-``key_bias(q, k, q_pos, k_pos, keep)`` in place of ``attn_bias``.
+An encoding whose logits need the keys too (CoPE) defines ``key_bias(q, k, q_pos, k_pos, keep)``, which
+attention calls in place of ``attn_bias``.
+
+What attention calls follows from what a class defines: defining ``attn_bias``, ``key_bias`` or
+``value_term`` (or inheriting one) sets ``has_bias``, ``needs_keys`` or ``needs_weights``, which attention
+reads (``PositionEncoding.__init_subclass__``). A class that declares one of these flags against its
+hooks, or another impossible combination, is refused with a TypeError when it is defined: for an
+encoding of the user's own package, when its entry point is imported.
 
 FlexAttention takes the same logit term as a ``score_mod`` (``score_mod(q, q_pos, k_pos)``): a function
 of one score and its (batch, head, query index, key index) that never builds the dense (B, H, Lq, Lk)
@@ -18,8 +24,9 @@ override it with that lookup.
 Positions are 1-D ``long`` tensors that carry their offset, so incremental decoding with a KV cache
 sees exactly the positions of the full pass. They stay on the device: no hook reads a position back
 to the host (no ``int(pos[-1])``), so a step never waits for the GPU and compiles without graph breaks.
-Encodings that need the attention weights themselves (Shaw's relative values) say so with
-``needs_weights`` and implement ``value_term``; attention then computes its weights explicitly.
+Encodings that need the attention weights themselves (Shaw's relative values) define ``value_term``;
+attention then computes its weights explicitly (an instance may turn ``needs_weights`` off in its
+``__init__``: Shaw without relative values).
 """
 
 from __future__ import annotations
@@ -31,7 +38,7 @@ from typing import Any, ClassVar, TypeVar
 import torch
 from torch import Tensor, nn
 
-from tpe_train.positions.augment import augment_positions
+from tpe_train.positions.augment import AUGMENTS, augment_positions
 from tpe_train.positions.registry import Registry
 
 #: FlexAttention's score_mod: (score, batch, head, q_idx, kv_idx) -> modified score (0-d tensors)
@@ -72,20 +79,29 @@ class PositionArgs:
         return self.d_model // self.n_heads
 
 
+#: flag -> hook: attention calls the hook when the flag is set, and the class's hooks set the flag
+HOOK_FLAGS = {"has_bias": "attn_bias", "needs_keys": "key_bias", "needs_weights": "value_term"}
+#: the values of ``PositionEncoding.tp_split``
+TP_SPLITS = ("heads", "positions", "replicated")
+
+
 class PositionEncoding(nn.Module):
     """Base class: identity hooks. Subclasses override what they need."""
 
     #: one instance per layer (Shaw) rather than one shared by all layers of a stack
     per_layer: ClassVar[bool] = False
-    #: attention must compute its weights explicitly and call ``value_term``
+    #: attention computes its weights explicitly and calls ``value_term``: set for a class that defines
+    #: ``value_term``; an instance may turn it off in ``__init__`` (Shaw without relative values)
     needs_weights: bool = False
-    #: whether ``attn_bias`` can return a tensor (lets attention keep the fused causal path otherwise)
+    #: attention calls ``attn_bias`` (otherwise it keeps the fused causal path): set for a class that
+    #: defines ``attn_bias``
     has_bias: ClassVar[bool] = False
     #: ``attn_bias`` depends on the positions only (not on the values of ``q``) and one module serves every
     #: layer of a stack (T5, ALiBi): attention folds it into its dense mask once per batch and attention
     #: kind and shares that mask, and its backward, across the layers
     shared_bias: ClassVar[bool] = False
-    #: the logit term needs the keys as well as the queries (CoPE): attention calls ``key_bias``
+    #: the logit term needs the keys as well as the queries (CoPE): attention calls ``key_bias``; set for
+    #: a class that defines ``key_bias``
     needs_keys: ClassVar[bool] = False
     #: how tensor parallelism treats this encoding's tables: "heads" (one column per head, narrowed by
     #: ``keep_heads``), "positions" (an absolute table split along positions) or "replicated"
@@ -95,6 +111,21 @@ class PositionEncoding(nn.Module):
     #: why this encoding has no exported form (CTranslate2, transformers): the exporters' refusal quotes
     #: it (an encoding of the user's own package may say what it would take); None: the default reason
     export_note: ClassVar[str | None] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Set ``has_bias``, ``needs_keys`` and ``needs_weights`` from the hooks the class defines (its
+        own or inherited); a TypeError, naming the class and the fix, for one that declares them
+        against its hooks or combines what attention cannot serve."""
+        super().__init_subclass__(**kwargs)
+        for flag, hook in HOOK_FLAGS.items():
+            defined = defines(cls, hook)
+            if flag not in cls.__dict__:
+                setattr(cls, flag, defined)
+            elif cls.__dict__[flag] != defined:
+                raise TypeError(refusal(cls, flag_contradiction(flag, hook, cls.__dict__[flag], defined)))
+        why = combination_error(cls)
+        if why is not None:
+            raise TypeError(refusal(cls, why))
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()
@@ -236,6 +267,63 @@ class PositionEncoding(nn.Module):
 
 
 POSITIONS: Registry[type[PositionEncoding]] = Registry("position encoding")
+
+
+def defines(cls: type, hook: str) -> bool:
+    """Whether ``cls`` defines ``hook`` itself or inherits it from a class other than the base."""
+    return getattr(cls, hook) is not getattr(PositionEncoding, hook)
+
+
+def refusal(cls: type, why: str) -> str:
+    """The TypeError's text: the class by module and name, then why and the fix."""
+    return f"position encoding class {cls.__module__}.{cls.__qualname__}: {why}"
+
+
+def flag_contradiction(flag: str, hook: str, declared: object, defined: bool) -> str:
+    """Why a class's own ``flag = declared`` cannot stand beside its hooks, and the fix."""
+    if defined:
+        return (
+            f"it sets {flag} = {declared!r} but defines {hook}, and {flag} follows from {hook} (attention "
+            f"calls {hook} because the class defines it); remove the {flag} line"
+        )
+    return (
+        f"it sets {flag} = {declared!r} but defines no {hook}, and {flag} follows from {hook} (attention "
+        f"calls {hook} because the class defines it); remove the {flag} line, or define {hook}"
+    )
+
+
+def combination_error(cls: type[PositionEncoding]) -> str | None:
+    """Why attention cannot serve this combination of hooks and class attributes (None: it can)."""
+    if cls.has_bias and cls.needs_keys:
+        return (
+            "it defines both attn_bias and key_bias, but attention calls key_bias in place of attn_bias "
+            "(and of score_mod); return the whole logit term from key_bias and remove attn_bias"
+        )
+    if defines(cls, "score_mod") and not cls.has_bias:
+        return (
+            "it defines score_mod but no attn_bias: score_mod is attn_bias's term for the flex backend, "
+            "and the sdpa and explicit backends call attn_bias; define attn_bias too (score_mod is "
+            "optional: the base class derives it from attn_bias)"
+        )
+    if cls.shared_bias and not cls.has_bias:
+        return (
+            "it sets shared_bias = True but defines no attn_bias, the term shared_bias shares across "
+            "layers; define attn_bias (a term of the positions only) or remove the shared_bias line"
+        )
+    if cls.shared_bias and cls.per_layer:
+        return (
+            "it sets both shared_bias (one module serves every layer of a stack) and per_layer (each "
+            "layer has its own); remove one of the two lines"
+        )
+    if cls.tp_split not in TP_SPLITS:
+        return f"it sets tp_split = {cls.tp_split!r}, not one of {', '.join(TP_SPLITS)}; choose one"
+    unknown = [a for a in cls.augments if a not in AUGMENTS[1:]]
+    if unknown or isinstance(cls.augments, str):
+        return (
+            f"it sets augments = {cls.augments!r}, not a tuple of {', '.join(AUGMENTS[1:])}; list the "
+            "augmentations the encoding applies, or none"
+        )
+    return None
 
 
 def relative_distance(q_pos: Tensor, k_pos: Tensor) -> Tensor:

@@ -16,7 +16,7 @@ it is counted backward; one table serves both directions, as in the causal form 
 sign. Self-attention only: the count runs from the query's own position, which a key sequence of
 another sentence does not contain (``model.position.cross=cope`` is refused).
 
-It needs the keys (``needs_keys``): attention calls ``key_bias`` instead of ``attn_bias``. One table per
+It needs the keys: it defines ``key_bias``, which attention calls instead of ``attn_bias``. One table per
 layer, shared by the heads; under tensor parallelism every rank holds it, its gradient summed.
 """
 
@@ -34,7 +34,6 @@ class ContextualPosition(PositionEncoding):
     p_ij = sum_{t between j and i} sigmoid(q_i . k_t / sqrt(hd))."""
 
     per_layer = True
-    needs_keys = True
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__(args)

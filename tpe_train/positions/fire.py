@@ -36,7 +36,6 @@ class FirePosition(PositionEncoding):
     learned multiplier m of the threshold L = |m| * L0 (L0 = ``model.position.fire_threshold``), and the
     MLP f: 1 -> width (ReLU) -> heads (two-sided in the encoder: one output layer per side)."""
 
-    has_bias = True
     shared_bias = True
     tp_split = "heads"
 

@@ -50,7 +50,6 @@ class _Kernel(PositionEncoding):
     under ZeRO would not see); the initial values follow the reference's uniform draws, a draw below
     the clamp starting at EPS + ``KERPLE_INIT_MARGIN`` (the reference: at EPS)."""
 
-    has_bias = True
     shared_bias = True
     tp_split = "heads"
 
@@ -179,7 +178,6 @@ class SandwichPosition(PositionEncoding):
     Parameter-free. The sum is even in i - j, so the encoder takes it as it is. d' is
     ``model.position.sandwich_dim``."""
 
-    has_bias = True
     shared_bias = True
     tp_split = "heads"
     scales: Tensor

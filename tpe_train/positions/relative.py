@@ -33,7 +33,6 @@ class ShawPosition(PositionEncoding):
     """
 
     per_layer = True
-    has_bias = True
 
     def __init__(self, args: PositionArgs) -> None:
         super().__init__(args)
@@ -115,7 +114,6 @@ class T5Position(PositionEncoding):
     """T5 relative bias: one scalar per (bucket, head), shared across the layers of a stack;
     bidirectional in the encoder, causal in the decoder."""
 
-    has_bias = True
     shared_bias = True
     tp_split = "heads"
 
@@ -216,7 +214,6 @@ class AlibiPosition(PositionEncoding):
     """ALiBi: a linear penalty -slope_h * |i - j|; symmetric in the encoder, and in the decoder the
     causal mask leaves only j <= i, where it is the original -slope_h * (i - j)."""
 
-    has_bias = True
     shared_bias = True
     tp_split = "heads"
     slopes: Tensor
