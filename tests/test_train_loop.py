@@ -8,7 +8,7 @@ import pytest
 import torch
 from support.models import tiny_model
 
-from tpe_train.ckpt.holdings import holdings
+from tpe_train.ckpt.holdings import MOMENTS, adam_steps, before_load, holdings
 from tpe_train.config import load_config
 from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
 from tpe_train.parallel.context import ParallelContext
@@ -135,3 +135,19 @@ def test_a_parameter_without_gradient_is_named_once_and_held_without_moments(
     names = {h.region.name for h in holdings(engine, moments=True)}
     assert "idle" in names and "exp_avg/idle" not in names and "exp_avg_sq/idle" not in names
     assert "exp_avg/embed.weight" in names and torch.equal(model.idle, torch.zeros(3))
+
+
+def test_adam_steps_is_the_most_of_any_parameter_when_one_gets_no_gradient_after_a_load() -> None:
+    """A checkpoint written under DeepSpeed has (zero) moments for a parameter that gets no gradient:
+    loaded into torch's Adam, its state keeps the loaded step count while the others count on."""
+    cfg = load_config("demo", ["train.clip_norm=0"])
+    model = tiny_model("t5")
+    model.register_parameter("idle", torch.nn.Parameter(torch.zeros(3)))  # the model's first parameter
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ctx = ParallelContext.fake()
+    engine = Engine(model, opt, sched, ctx, accumulate=1, clip_norm=0.0, deepspeed=None)
+    before_load(engine, 5, {f"{m}/{n}" for n, _ in model.named_parameters() for m in MOMENTS})
+    assert next(iter(opt.state)) is model.idle
+    train_step(engine, [batch([[5, 6, 7], [8, 9]])], cfg, ctx, amp_dtype=None)
+    assert int(opt.state[model.idle]["step"]) == 5 and adam_steps(engine) == 6
