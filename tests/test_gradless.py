@@ -1,9 +1,9 @@
 """A trainable parameter that gets no gradient (the ``spare`` of an installed encoding plugin, which its
 hooks never use) breaks nothing: the run names it in one warning at its first step, saves (torch's Adam
 holds no state for it: its moments are absent from the checkpoint), resumes, and goes on under DeepSpeed
-ZeRO 0, 1, 2 and 3 and tensor parallelism (2 ranks each, zero moments there), under ``tpe-ckpt
-reshard``, ``average`` and ``export``, and back on one process. One chain of runs, each resuming from
-the one before under another layout."""
+ZeRO 3, 2, 1 and 0 and tensor parallelism (2 ranks each, zero moments there), under ``tpe-ckpt
+reshard``, ``average`` and ``export``, and back on one process. Chains of runs, each resuming from the
+one before under another layout."""
 
 from __future__ import annotations
 
@@ -108,21 +108,24 @@ Chain = dict[str, tuple[Path, str, Path]]  # name -> run directory, output, chec
 def chain(
     plain: tuple[Path, str, str], env: dict[str, str], tmp_path_factory: pytest.TempPathFactory
 ) -> Chain:
-    """From the one-process checkpoint of step 3: a step under each ZeRO stage in turn (2 ranks), a
-    reshard to tensor parallelism 2 and a step there, a step back on one process; average and export."""
+    """From the one-process checkpoint of step 3 (no moments for the parameter): a step under each ZeRO
+    stage in turn, 3 to 0 (2 ranks), then one on one process; a reshard of that checkpoint to tensor
+    parallelism 2, and a step there. Average and export."""
     tmp, out = tmp_path_factory.mktemp("chain"), {}
-    start = ckpt(plain[0], 3)
-    for stage in range(4):
-        run_dir, steps = tmp / f"zero{stage}", f"train.max_steps={4 + stage}"
-        output = train(env, launch_file(tmp, stage), run_dir, f"train.resume={start}", steps)
-        out[f"zero{stage}"], start = (run_dir, output, start), ckpt(run_dir, 4 + stage)
-    tp2, cli = str(ROOT / "configs/accelerate/cpu_tp2.yaml"), [sys.executable, "-m", "tpe_train.ckpt.cli"]
-    output = run([*cli, "reshard", str(start), "--config_file", tp2, "--out", str(tmp / "resharded")], env)
-    out["reshard"], start = (tmp / "resharded", output, start), ckpt(tmp / "resharded", 7)
-    output = train(env, tp2, tmp / "tp2", f"train.resume={start}", "train.max_steps=8")
-    out["tp2"], start = (tmp / "tp2", output, start), ckpt(tmp / "tp2", 8)
-    output = train(env, None, tmp / "one", f"train.resume={start}", "train.max_steps=9")
+    start = first = ckpt(plain[0], 3)
+    for step, stage in enumerate((3, 2, 1, 0), start=4):
+        run_dir = tmp / f"zero{stage}"
+        output = train(
+            env, launch_file(tmp, stage), run_dir, f"train.resume={start}", f"train.max_steps={step}"
+        )
+        out[f"zero{stage}"], start = (run_dir, output, start), ckpt(run_dir, step)
+    output = train(env, None, tmp / "one", f"train.resume={start}", "train.max_steps=8")
     out["one"] = tmp / "one", output, start
+    tp2, cli = str(ROOT / "configs/accelerate/cpu_tp2.yaml"), [sys.executable, "-m", "tpe_train.ckpt.cli"]
+    output = run([*cli, "reshard", str(first), "--config_file", tp2, "--out", str(tmp / "resharded")], env)
+    out["reshard"], start = (tmp / "resharded", output, first), ckpt(tmp / "resharded", 3)
+    output = train(env, tp2, tmp / "tp2", f"train.resume={start}", "train.max_steps=4")
+    out["tp2"] = tmp / "tp2", output, start
     output = run([*cli, "average", str(plain[0]), "--last", "3", "--out", str(tmp / "averaged")], env)
     out["average"] = tmp / "averaged", output, plain[0]
     output = run([*cli, "export", str(tmp / "tp2"), "--out", str(tmp / "exported")], env)
@@ -131,13 +134,13 @@ def chain(
 
 
 LAYOUTS = {  # the step each saved at, and its layout
-    "zero0": (4, {"world_size": 2, "tp_size": 1, "dp_size": 2, "zero_stage": 0}),
-    "zero1": (5, {"world_size": 2, "tp_size": 1, "dp_size": 2, "zero_stage": 1}),
-    "zero2": (6, {"world_size": 2, "tp_size": 1, "dp_size": 2, "zero_stage": 2}),
-    "zero3": (7, {"world_size": 2, "tp_size": 1, "dp_size": 2, "zero_stage": 3}),
-    "reshard": (7, {"world_size": 2, "tp_size": 2, "dp_size": 1, "zero_stage": 1}),
-    "tp2": (8, {"world_size": 2, "tp_size": 2, "dp_size": 1, "zero_stage": 1}),
-    "one": (9, {"world_size": 1, "tp_size": 1, "dp_size": 1, "zero_stage": None}),
+    "zero3": (4, {"world_size": 2, "tp_size": 1, "dp_size": 2, "zero_stage": 3}),
+    "zero2": (5, {"world_size": 2, "tp_size": 1, "dp_size": 2, "zero_stage": 2}),
+    "zero1": (6, {"world_size": 2, "tp_size": 1, "dp_size": 2, "zero_stage": 1}),
+    "zero0": (7, {"world_size": 2, "tp_size": 1, "dp_size": 2, "zero_stage": 0}),
+    "one": (8, {"world_size": 1, "tp_size": 1, "dp_size": 1, "zero_stage": None}),
+    "reshard": (3, {"world_size": 2, "tp_size": 2, "dp_size": 1, "zero_stage": 1}),
+    "tp2": (4, {"world_size": 2, "tp_size": 2, "dp_size": 1, "zero_stage": 1}),
 }
 
 
@@ -150,7 +153,8 @@ def test_every_layout_resumes_warns_once_and_saves_zero_moments(chain: Chain, na
     saved, before = tensors(path), tensors(start)
     for n in SPARE:
         assert torch.equal(saved[n], torch.zeros(3))
-        # DeepSpeed holds zero moments for it; so does torch's Adam once they are loaded ("one")
+        # DeepSpeed holds zero moments for it (loaded as zeros where the checkpoint has none, as in
+        # "zero3" and "reshard"); so does torch's Adam once they are loaded ("one")
         assert torch.equal(saved[f"exp_avg/{n}"], torch.zeros(3))
         assert torch.equal(saved[f"exp_avg_sq/{n}"], torch.zeros(3))
     gain = "encoder.positions.0.gain"
