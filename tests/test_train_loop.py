@@ -8,11 +8,13 @@ import pytest
 import torch
 from support.models import tiny_model
 
+from tpe_train.ckpt.holdings import MOMENTS, adam_steps, before_load, holdings
 from tpe_train.config import load_config
 from tpe_train.data.batching import BOS_ID, EOS_ID, Batch, pad
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
 from tpe_train.train.cadence import Cadence
+from tpe_train.train.gradless import GradlessWatch
 from tpe_train.train.schedule import inverse_sqrt
 from tpe_train.train.step import train_step
 
@@ -106,3 +108,46 @@ def test_quiet_keeps_the_terminal_to_warnings_and_the_run_directory_keeps_the_wh
     lines = [line for line in loud.splitlines() if line.startswith("tpe-train: step ") and "| loss" in line]
     assert [line.split(" | ")[0] for line in lines] == ["tpe-train: step 2/4", "tpe-train: step 4/4"]
     assert "tpe-train: checkpoint " in loud
+
+
+def test_a_parameter_without_gradient_is_named_once_and_held_without_moments(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """One process: the warning names only the parameter the loss does not use, at the first step
+    only; the checkpoint's holdings have its weight and no moments (torch's Adam has no state for it)."""
+    cfg = load_config("demo", ["train.clip_norm=0"])
+    model = tiny_model("t5")
+    model.register_parameter("idle", torch.nn.Parameter(torch.zeros(3)))  # no forward reads it
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ctx = ParallelContext.fake()
+    engine = Engine(model, opt, sched, ctx, accumulate=1, clip_norm=0.0, deepspeed=None)
+    watch = GradlessWatch(model, ctx)
+    found = []
+    for step in (1, 2):
+        train_step(engine, [batch([[5, 6, 7], [8, 9]])], cfg, ctx, amp_dtype=None)
+        found.append(watch.report(step))
+    assert found == [["idle"], []]
+    warnings = [r.getMessage() for r in caplog.records if "no gradient" in r.getMessage()]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        "no gradient at step 1 for the trainable parameter(s) idle:"
+    )
+    names = {h.region.name for h in holdings(engine, moments=True)}
+    assert "idle" in names and "exp_avg/idle" not in names and "exp_avg_sq/idle" not in names
+    assert "exp_avg/embed.weight" in names and torch.equal(model.idle, torch.zeros(3))
+
+
+def test_adam_steps_is_the_most_of_any_parameter_when_one_gets_no_gradient_after_a_load() -> None:
+    """A checkpoint written under DeepSpeed has (zero) moments for a parameter that gets no gradient:
+    loaded into torch's Adam, its state keeps the loaded step count while the others count on."""
+    cfg = load_config("demo", ["train.clip_norm=0"])
+    model = tiny_model("t5")
+    model.register_parameter("idle", torch.nn.Parameter(torch.zeros(3)))  # the model's first parameter
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0)
+    ctx = ParallelContext.fake()
+    engine = Engine(model, opt, sched, ctx, accumulate=1, clip_norm=0.0, deepspeed=None)
+    before_load(engine, 5, {f"{m}/{n}" for n, _ in model.named_parameters() for m in MOMENTS})
+    assert next(iter(opt.state)) is model.idle
+    train_step(engine, [batch([[5, 6, 7], [8, 9]])], cfg, ctx, amp_dtype=None)
+    assert int(opt.state[model.idle]["step"]) == 5 and adam_steps(engine) == 6

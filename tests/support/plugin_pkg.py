@@ -150,6 +150,12 @@ class OffBias(PositionEncoding):
     def attn_bias(self, q, q_pos, k_pos):
         return torch.zeros(())
 '''
+#: The scaled sinusoid with a second parameter that its hooks never use: it gets no gradient. (The gain
+#: is 1-d here: DeepSpeed without ZeRO cannot broadcast a 0-d parameter.)
+IDLE = GOOD.replace(
+    "self.gain = nn.Parameter(torch.ones(()))",
+    "self.gain = nn.Parameter(torch.ones(1))\n        self.spare = nn.Parameter(torch.zeros(3))  # unused",
+)
 
 #: Entry points that cannot be used: an import that fails, a name a built-in has, an object that is not
 #: an encoding class.
@@ -183,6 +189,12 @@ def _install(root: Path, name: str, modules: dict[str, str], entries: dict[str, 
 def install_good(root: Path) -> Path:
     """Package ``mypos``: the encoding ``scaled`` (``mypos.enc:ScaledSinusoid``); its site folder."""
     return _install(root, "mypos", {"enc": GOOD}, {"scaled": "mypos.enc:ScaledSinusoid"})
+
+
+def install_idle(root: Path) -> Path:
+    """Package ``idlepos``: the encoding ``idle`` (``idlepos.enc:ScaledSinusoid``), whose parameter
+    ``spare`` takes no part in the loss; its site folder."""
+    return _install(root, "idlepos", {"enc": IDLE}, {"idle": "idlepos.enc:ScaledSinusoid"})
 
 
 def install_bad(root: Path) -> Path:

@@ -2,7 +2,10 @@
 
 A checkpoint stores the fp32 weights and Adam moments of the single-device model under the
 parameter's name (``<name>``, ``exp_avg/<name>``, ``exp_avg_sq/<name>``), each rank writing and
-reading only what it holds (``ckpt.shards`` describes regions and files):
+reading only what it holds (``ckpt.shards`` describes regions and files). A parameter that never got
+a gradient has no state in torch's Adam: its moments are then absent from the checkpoint, and stay
+absent on a load into torch's Adam; DeepSpeed's flat partitions hold zeros for it, which is also what
+a load into them puts where the checkpoint has none.
 
 - ZeRO-1/2 (and DeepSpeed's bf16 optimizer): the fragment of each parameter that lies in this rank's
   flat fp32 partition, from DeepSpeed's fragment mapping (``_hp_mapping``: where in the parameter the
@@ -55,12 +58,10 @@ class Holding:
 
 
 def adam_steps(engine: Engine) -> int:
-    """Optimizer steps Adam has taken (its bias correction depends on it)."""
-    for state in torch_optimizer(engine.optimizer).state.values():
-        step = state.get("step")
-        if step is not None:
-            return int(step)
-    return 0
+    """Optimizer steps Adam has taken (its bias correction depends on it): the most of any parameter's
+    (one that gets no gradient keeps the count its state was loaded with)."""
+    steps = [state.get("step") for state in torch_optimizer(engine.optimizer).state.values()]
+    return max((int(step) for step in steps if step is not None), default=0)
 
 
 def holdings(engine: Engine, moments: bool, load: bool = False) -> list[Holding]:
@@ -91,6 +92,8 @@ def holdings(engine: Engine, moments: bool, load: bool = False) -> list[Holding]
                 out.append(Holding(region, data, *_tp_replicas(ctx, split)))
         else:  # the whole tensors, alike on every data-parallel rank
             replicas, replica = _tp_replicas(ctx, split)
+            if not state.get(p):  # never a gradient: torch's Adam holds no state for it
+                names = names[:1]
             for key, full in zip([None, *MOMENTS], names, strict=False):
                 data = p.data if key is None else state[p][key]
                 region = Region(full, shape, offsets, local, 0, p.numel())
@@ -150,8 +153,10 @@ def _zero3(p: Any, names: list[str], shape: tuple[int, ...], offsets: tuple[int,
     return out
 
 
-def before_load(engine: Engine, steps: int) -> None:
-    """Make the optimizer state exist where a load will write it."""
+def before_load(engine: Engine, steps: int, stored: set[str]) -> None:
+    """Make the optimizer state exist where a load will write it; ``stored``: the checkpoint's tensors.
+    Torch's Adam gets state only for the parameters whose moments are stored (a parameter that never
+    got a gradient has none, as in an uninterrupted run)."""
     if engine.uses_deepspeed:
         _prime(engine)
         if engine.zero3:
@@ -161,8 +166,8 @@ def before_load(engine: Engine, steps: int) -> None:
     # torch's own rule (Optimizer.load_state_dict): fused and capturable Adam keep the step count on
     # the parameters' device, plain Adam on the CPU.
     on_device = any(g.get("fused") or g.get("capturable") for g in basic.param_groups)
-    for p in engine.module.parameters():
-        if steps > 0 and not basic.state.get(p):
+    for name, p in engine.module.named_parameters():
+        if steps > 0 and not basic.state.get(p) and f"{MOMENTS[0]}/{name}" in stored:
             step = torch.tensor(float(steps), device=p.device if on_device else "cpu")
             basic.state[p] = {"step": step, **{m: torch.zeros_like(p) for m in MOMENTS}}
 

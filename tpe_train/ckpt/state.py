@@ -313,11 +313,15 @@ class Checkpointer:
                 f"{path} holds the positions of {saved['dp_size']} streamed data-parallel ranks, this run "
                 f"has {ctx.dp_size}; a streamed corpus (data.streaming) resumes on as many ranks only"
             )
-        before_load(engine, steps)
+        stored = set(index["tensors"])
+        before_load(engine, steps, stored)
         wanted = holdings(engine, moments=steps > 0, load=True)
+        for h in wanted:
+            if is_moment(h.region.name) and h.region.name not in stored:
+                h.data.zero_()  # a parameter that never got a gradient: no moments saved (ckpt.holdings)
         error = None
         try:
-            plan = Plan(path, index, [(h.region, h.data) for h in wanted])
+            plan = Plan(path, index, [(h.region, h.data) for h in wanted if h.region.name in stored])
             verify(path, [*plan.files, *([mine.name] if same_layout or per_rank else [])])
         except (ShardError, CheckpointError) as err:
             error = str(err)

@@ -17,6 +17,7 @@ from tpe_train.parallel.deepspeed import ProcessLayout, resolve_layout
 from tpe_train.run import lock as run_lock
 from tpe_train.train import startup
 from tpe_train.train.finish import export_and_evaluate
+from tpe_train.train.gradless import GradlessWatch
 from tpe_train.train.periodic import PositionLog, SampleLog, Saver, StepLog, Validator
 from tpe_train.train.startup import Run
 from tpe_train.train.step import train_step
@@ -50,6 +51,7 @@ def train_steps(run: Run) -> Saver:
     cfg, progress = run.cfg, run.progress
     log, positions, validator, saver = StepLog(run), PositionLog(run), Validator(run), Saver(run)
     samples = SampleLog(run)
+    gradless = GradlessWatch(run.engine.module, run.ctx)  # names what gets no gradient, at the first step
     try:
         for step in range(progress.step + 1, cfg.train.max_steps + 1):
             if validator.stop:
@@ -57,6 +59,7 @@ def train_steps(run: Run) -> Saver:
             micro = [next(run.batches) for _ in range(cfg.train.accumulate)]
             pending = train_step(run.engine, micro, cfg, run.ctx, run.amp_dtype)  # read at log steps only
             progress.step = step
+            gradless.report(step)  # the first step's only
             samples.write(step, micro)
             log.step(step, micro, pending)
             positions.maybe_write(step)  # attention distances, tables
