@@ -22,7 +22,7 @@ from tokenizers import Tokenizer
 from tpe_train.ckpt.rundir import CONFIG, EVAL, TOKENIZER, RunDir
 from tpe_train.ckpt.shards import read_index, read_tensor, write_safetensors
 from tpe_train.ckpt.store import TRAINER, CheckpointError, entries, read_yaml, sha256, verify
-from tpe_train.config import Config, ConfigError, validate
+from tpe_train.config import Config, ConfigError, legacy, validate
 from tpe_train.data.batching import model_args
 from tpe_train.data.tokenizer import vocab_hash
 from tpe_train.model.build import build_model
@@ -157,7 +157,7 @@ def _load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
 
 def read_setup(directory: Path) -> tuple[Config, Tokenizer]:
     """The config and the tokenizer of a checkpoint or an export, read as files of that folder."""
-    loaded = read_yaml(directory, CONFIG)
+    loaded = legacy.fill(read_yaml(directory, CONFIG))  # written before a key was added: its old meaning
     try:
         cfg = validate(loaded)
     except ConfigError as err:

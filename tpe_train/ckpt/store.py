@@ -35,7 +35,7 @@ import yaml
 
 from tpe_train.ckpt.errors import CheckpointError, UnknownFormat
 from tpe_train.ckpt.rundir import CONFIG, RunDir
-from tpe_train.config import Config
+from tpe_train.config import Config, legacy
 from tpe_train.run import members, readers
 
 LATEST = "latest"
@@ -327,8 +327,10 @@ def check_compatible(path: Path, cfg: Config, vocab: str | None = None) -> None:
     known), naming what differs."""
     saved = read_yaml(path, CONFIG)
     members.check_type(saved, dict, f"{path / CONFIG}", CheckpointError)
-    ours = cfg.model_dump(mode="json")["model"]
-    differences = _diff(saved.get("model", {}), ours, "model")
+    dumped = cfg.model_dump(mode="json")
+    idle = set(legacy.absent_and_idle(saved, dumped))  # added since, and of no effect on this model
+    differences = [d for d in _diff(legacy.fill(saved).get("model", {}), dumped["model"], "model")
+                   if d.partition(" ")[0] not in idle]  # fmt: skip
     if differences:
         raise CheckpointError(
             f"{path} was written by another model ({'; '.join(differences[:6])}); resume it with its own "

@@ -17,7 +17,7 @@ from torch import Tensor
 
 from tpe_train.ckpt.export import WEIGHTS
 from tpe_train.ckpt.rundir import RunDir
-from tpe_train.config import Config, validate
+from tpe_train.config import Config, legacy, validate
 from tpe_train.evaluation.decoding import read_lines
 from tpe_train.evaluation.evaluate import EvalFiles
 from tpe_train.evaluation.metrics import PairedResult, paired_bootstrap
@@ -171,7 +171,7 @@ def bucket_low(name: str) -> int:
 
 def run_config(run: Run) -> Config | None:
     path = RunDir(run.run_dir).config
-    return validate(yaml.safe_load(path.read_text())) if path.is_file() else None
+    return validate(legacy.fill(yaml.safe_load(path.read_text()))) if path.is_file() else None
 
 
 def training_cap(runs: list[Run]) -> int | None:
