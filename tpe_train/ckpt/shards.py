@@ -381,15 +381,15 @@ def dump_index(index: dict[str, Any]) -> str:
     return json.dumps(head)[:-1] + ', "tensors": {\n' + ",\n".join(lines) + "\n}}\n"
 
 
-def read_index(directory: Path) -> dict[str, Any]:
-    """A checkpoint's index, checked against its manifest and every chunk against the safetensors header
-    of its file (before any tensor is read). A checkpoint of the first format (every
-    tensor whole, in ``model.safetensors`` and ``optimizer.safetensors``) gets one made from the files'
-    headers: each tensor is then a single chunk."""
+def read_index(directory: Path, files: bool = True) -> dict[str, Any]:
+    """A checkpoint's index, checked against its manifest and (``files``) every chunk against the
+    safetensors header of its file (``check_files``), before any tensor is read. A checkpoint of the
+    first format (every tensor whole, in ``model.safetensors`` and ``optimizer.safetensors``) gets one
+    made from the files' headers: each tensor is then a single chunk."""
     if (directory / INDEX).exists() or not (directory / "model.safetensors").exists():
         verify(directory, [INDEX])
         index = members.read_json(directory, INDEX, {"tensors": dict}, error=ShardError)
-        return _checked_index(directory, index)
+        return _checked_index(directory, index, files)
     tensors = {}
     for name in ("model.safetensors", "optimizer.safetensors"):
         f = ShardFile(directory / name)
@@ -412,7 +412,7 @@ def _ints(value: Any, where: str, count: int | None = None) -> list[int]:
     return list(value)
 
 
-def _checked_index(directory: Path, index: dict[str, Any]) -> dict[str, Any]:
+def _checked_index(directory: Path, index: dict[str, Any], files: bool) -> dict[str, Any]:
     """``index.json`` with the types its readers rely on; every chunk file a plain name of the
     checkpoint that its manifest lists, and every chunk what that file's header holds."""
     where = directory / INDEX
@@ -427,15 +427,17 @@ def _checked_index(directory: Path, index: dict[str, Any]) -> dict[str, Any]:
             members.check_type(chunk.get("key"), str, f"{where}: a chunk key of {name}", ShardError)
             _ints(chunk.get("offsets"), f"{where}: a chunk of {name} offsets", len(shape))
             _ints(chunk.get("sizes"), f"{where}: a chunk of {name} sizes", len(shape))
-    _check_files(directory, index)
+    if files:
+        check_files(directory, index)
     return index
 
 
-def _check_files(directory: Path, index: dict[str, Any]) -> None:
-    """Every chunk of ``index`` against the safetensors header of its file, before any tensor is read:
-    the chunk lies inside its tensor, its file holds its key with the index's dtype, the chunk's sizes as
-    its shape and a byte range that holds that shape inside the file. A file whose header does not
-    agree is first checked against its manifest hash, so that a damaged file is named as damaged."""
+def check_files(directory: Path, index: dict[str, Any], only: Iterable[str] | None = None) -> None:
+    """Every chunk of ``index`` (``only``: of those files) against the safetensors header of its file,
+    before any tensor is read: the chunk lies inside its tensor under the key written for it, its file
+    holds that key with the index's dtype, the chunk's sizes as its shape and a byte range that holds
+    them inside the file; a tensor's chunks hold as many elements as its shape. A file whose header does
+    not agree is first checked against its manifest hash, so that a damaged file is named as damaged."""
     where = directory / INDEX
     dtype = index.get("dtype")
     if not isinstance(dtype, str) or dtype not in _TORCH:
@@ -452,7 +454,10 @@ def _check_files(directory: Path, index: dict[str, Any]) -> None:
             )
         for chunk in entry["chunks"]:
             by_file.setdefault(chunk["file"], []).append((name, entry["shape"], chunk))
+    wanted = set(by_file) if only is None else set(only)
     for file, chunks in by_file.items():
+        if file not in wanted:
+            continue
         try:
             try:
                 f = ShardFile(directory / file)
