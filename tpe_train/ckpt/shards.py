@@ -414,9 +414,16 @@ def _ints(value: Any, where: str, count: int | None = None) -> list[int]:
 
 def _checked_index(directory: Path, index: dict[str, Any], files: bool) -> dict[str, Any]:
     """``index.json`` with the types its readers rely on; every chunk file a plain name of the
-    checkpoint that its manifest lists, and every chunk what that file's header holds."""
+    checkpoint that its manifest lists; its dtype one of the format's; every chunk inside its tensor
+    under the key written for it (the tensor's name and offsets), and a tensor's chunks as many
+    elements as its shape; with ``files``, every chunk what its file's header holds (``check_files``)."""
     where = directory / INDEX
     listed = read_manifest(directory)["files"]
+    dtype = index.get("dtype")
+    if not isinstance(dtype, str) or dtype not in _TORCH:
+        raise ShardError(
+            f"{where} gives the dtype {str(dtype)[:20]!r}, not one of {sorted(_TORCH)}; {members.FIX}"
+        )
     for name, entry in index["tensors"].items():
         members.check_type(entry, dict, f"{where}: tensor {name!r}", ShardError)
         shape = _ints(entry.get("shape"), f"{where}: {name} shape")
@@ -427,71 +434,67 @@ def _checked_index(directory: Path, index: dict[str, Any], files: bool) -> dict[
             members.check_type(chunk.get("key"), str, f"{where}: a chunk key of {name}", ShardError)
             _ints(chunk.get("offsets"), f"{where}: a chunk of {name} offsets", len(shape))
             _ints(chunk.get("sizes"), f"{where}: a chunk of {name} sizes", len(shape))
+            _check_place(where, name, shape, chunk)
+        stored = sum(math.prod(c["sizes"]) for c in entry["chunks"])
+        if stored != math.prod(shape):
+            raise ShardError(
+                f"{where}: the chunks of {name} hold {stored:,} elements, where its shape {shape} has "
+                f"{math.prod(shape):,}: a chunk is missing or listed twice; {_disagree(where)}"
+            )
     if files:
         check_files(directory, index)
     return index
 
 
-def check_files(directory: Path, index: dict[str, Any], only: Iterable[str] | None = None) -> None:
-    """Every chunk of ``index`` (``only``: of those files) against the safetensors header of its file,
-    before any tensor is read: the chunk lies inside its tensor under the key written for it, its file
-    holds that key with the index's dtype, the chunk's sizes as its shape and a byte range that holds
-    them inside the file; a tensor's chunks hold as many elements as its shape. A file whose header does
-    not agree is first checked against its manifest hash, so that a damaged file is named as damaged."""
-    where = directory / INDEX
-    dtype = index.get("dtype")
-    if not isinstance(dtype, str) or dtype not in _TORCH:
+def _check_place(where: Path, name: str, shape: list[int], chunk: dict[str, Any]) -> None:
+    """A chunk of ``index.json`` (``where``) lies inside its tensor, under the key written for it."""
+    offsets, sizes, key = chunk["offsets"], chunk["sizes"], chunk["key"][:200]
+    outside = [d for d, (o, n, s) in enumerate(zip(offsets, sizes, shape, strict=True)) if o + n > s]
+    if outside:
         raise ShardError(
-            f"{where} gives the dtype {str(dtype)[:20]!r}, not one of {sorted(_TORCH)}; {members.FIX}"
+            f"{where}: the chunk {key!r} of {name} spans offsets {offsets} + sizes {sizes}, outside the "
+            f"tensor's shape {shape} (dimension {outside[0]}); {_disagree(where)}"
         )
-    by_file: dict[str, list[tuple[str, list[int], dict[str, Any]]]] = {}
+    if chunk["key"] != chunk_key(name, tuple(offsets)):
+        raise ShardError(
+            f"{where}: the chunk of {name} at offsets {offsets} has the key {key!r}, where "
+            f"{chunk_key(name, tuple(offsets))!r} is written; {_disagree(where)}"
+        )
+
+
+def check_files(directory: Path, index: dict[str, Any], only: Iterable[str] | None = None) -> None:
+    """Every chunk of a checked ``index`` (``only``: of those files) against the safetensors header of
+    its file, before any tensor is read: the file holds the chunk's key with the index's dtype, the
+    chunk's sizes as its shape and a byte range that holds them inside the file. A file whose header
+    does not agree is first checked against its manifest hash, so that a damaged file is named as
+    damaged."""
+    where = directory / INDEX
+    by_file: dict[str, list[tuple[str, dict[str, Any]]]] = {}
     for name, entry in index["tensors"].items():
-        stored = sum(math.prod(c["sizes"]) for c in entry["chunks"])
-        if stored != math.prod(entry["shape"]):
-            raise ShardError(
-                f"{where}: the chunks of {name} hold {stored:,} elements, where its shape {entry['shape']} "
-                f"has {math.prod(entry['shape']):,}: a chunk is missing or listed twice; {_disagree(where)}"
-            )
         for chunk in entry["chunks"]:
-            by_file.setdefault(chunk["file"], []).append((name, entry["shape"], chunk))
-    wanted = set(by_file) if only is None else set(only)
-    for file, chunks in by_file.items():
-        if file not in wanted:
-            continue
+            by_file.setdefault(chunk["file"], []).append((name, chunk))
+    for file in sorted(set(by_file) if only is None else set(only) & set(by_file)):
+        chunks = by_file[file]
         try:
             try:
                 f = ShardFile(directory / file)
             except ShardError as err:
-                name, _, chunk = chunks[0]
+                name, chunk = chunks[0]
                 raise ShardError(
                     f"{where} names {file!r} as the file of the chunk {chunk['key'][:200]!r} of {name}, "
                     f"but {err}"
                 ) from None
             f.close()
-            for name, shape, chunk in chunks:
-                _check_chunk(where, f, dtype, name, shape, chunk)
+            for name, chunk in chunks:
+                _check_chunk(where, f, index["dtype"], name, chunk)
         except ShardError:
             verify(directory, [file])  # a file changed since it was written: say so instead
             raise
 
 
-def _check_chunk(
-    where: Path, f: ShardFile, dtype: str, name: str, shape: list[int], chunk: dict[str, Any]
-) -> None:
+def _check_chunk(where: Path, f: ShardFile, dtype: str, name: str, chunk: dict[str, Any]) -> None:
     """One chunk of ``index.json`` (``where``) against the header of its file ``f``."""
-    offsets, sizes, fix = chunk["offsets"], chunk["sizes"], _disagree(where)
-    key = chunk["key"][:200]
-    outside = [d for d, (o, n, s) in enumerate(zip(offsets, sizes, shape, strict=True)) if o + n > s]
-    if outside:
-        raise ShardError(
-            f"{where}: the chunk {key!r} of {name} spans offsets {offsets} + sizes {sizes}, outside the "
-            f"tensor's shape {shape} (dimension {outside[0]}); {fix}"
-        )
-    if chunk["key"] != chunk_key(name, tuple(offsets)):
-        raise ShardError(
-            f"{where}: the chunk of {name} at offsets {offsets} has the key {key!r}, where "
-            f"{chunk_key(name, tuple(offsets))!r} is written; {fix}"
-        )
+    sizes, key, fix = chunk["sizes"], chunk["key"][:200], _disagree(where)
     info = f.header.get(chunk["key"])
     if info is None:
         raise ShardError(f"{f.path} holds no tensor {key!r}, which {where} names for {name}; {fix}")
