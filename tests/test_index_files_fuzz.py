@@ -189,11 +189,13 @@ def argv_of(command: str, ckpt: Path, out: Path) -> list[str]:
 
 
 def assert_refused(code: int, err: str, ckpt: Path, out: Path, prog: str = "tpe-ckpt") -> None:
-    """One clear error: status 2, one line naming a file of the checkpoint, no traceback, nothing written."""
+    """One clear error: status 2, one line naming a file of the checkpoint and the fix, no traceback, nothing
+    written."""
     assert code == 2, err[-3000:]
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith(f"{prog}: error: {ckpt}"), err[-3000:]
     assert "index.json" in err or ".safetensors" in err, err
+    assert "use another checkpoint (tpe-ckpt list)" in err or "use another copy" in err, err  # the fix
     assert not out.exists() and sorted(os.listdir(out.parent)) == ["run"]
 
 
