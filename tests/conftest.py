@@ -8,6 +8,7 @@ import os
 import subprocess
 import tempfile
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -38,6 +39,24 @@ def _fresh_logging() -> Iterator[None]:
             logger.removeHandler(handler)
         logger.propagate = True
         logger.setLevel(logging.NOTSET)
+
+
+@pytest.fixture(scope="session")
+def tiny_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real tiny run of one step, made once in this process and shared (read it, or copy it to change
+    it): ``run/checkpoints/step-00000001``, ``run/checkpoint`` (its export) and the token store ``store``."""
+    from tests.support.models import TINY_RUN
+    from tpe_train.train.cli import main as tpe_train
+
+    root = tmp_path_factory.mktemp("tiny-step")
+    argv = [
+        *TINY_RUN,
+        "train.max_steps=1",
+        f"train.run_dir={root / 'run'}",
+        f"data.store_dir={root / 'store'}",
+    ]
+    assert tpe_train(argv) == 0
+    return root
 
 
 # --------------------------------------------------------------------------------------------------

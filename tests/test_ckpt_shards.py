@@ -17,12 +17,14 @@ from tpe_train.ckpt.shards import (
     Plan,
     Region,
     ShardError,
+    dump_index,
     merge_index,
     read_index,
     read_tensor,
     save_pieces,
     split_range,
 )
+from tpe_train.ckpt.store import write_manifest
 
 TENSORS = {"w": ((8, 12), 1), "b": ((12,), 0), "t": ((4, 6, 8), 2)}  # name: (shape, tensor-parallel dim)
 
@@ -175,3 +177,26 @@ def test_a_zero_dimensional_tensor_is_written_and_read_back(tmp_path: Path) -> N
     index = save(tmp_path, {0: held})
     got = read_tensor(tmp_path, index, "gain")
     assert got.shape == () and torch.equal(got, gain)
+
+
+@pytest.mark.parametrize(("tp", "dp"), [(2, 3), (1, 4), (4, 1)])
+def test_the_index_of_any_layout_passes_the_check_against_its_files(
+    tmp_path: Path, full: dict, tp: int, dp: int
+) -> None:
+    """Many chunks per tensor (ZeRO fragments of tensor-parallel blocks) in many files, and a scalar:
+    every chunk agrees with its file's header; an index giving another dtype is refused."""
+    ranks = layout(tp=tp, dp=dp, full=full, seed=11)
+    ranks[0].append(Holding(Region.whole("gain", ()), torch.tensor([1.25])))
+    index = save(tmp_path, ranks)
+    (tmp_path / "index.json").write_text(dump_index(index))
+    write_manifest(tmp_path, 1, {}, {})
+    assert read_index(tmp_path) == json.loads(dump_index(index))
+    for name, tensor in full.items():
+        assert torch.equal(read_tensor(tmp_path, index, name), tensor)
+    index["dtype"] = "F64"  # what the files hold is F32
+    (tmp_path / "index.json").write_text(dump_index(index))
+    write_manifest(tmp_path, 1, {}, {})
+    with pytest.raises(
+        ShardError, match=r"model-00000.safetensors: tensor .* is F32, .*index.json gives F64"
+    ):
+        read_index(tmp_path)

@@ -40,6 +40,7 @@ from tpe_train.ckpt.export import (
     save_export,
 )
 from tpe_train.ckpt.rundir import CONFIG, TOKENIZER, RunDir
+from tpe_train.ckpt.shards import read_index
 from tpe_train.ckpt.store import (
     LATEST,
     MANIFEST,
@@ -47,6 +48,7 @@ from tpe_train.ckpt.store import (
     CheckpointError,
     Entry,
     entries,
+    inspect,
     latest_complete,
     latest_named,
 )
@@ -74,12 +76,10 @@ def _checkpoint(path: Path) -> Path:
     if path.name == LATEST and RunDir.of_checkpoints(path.parent) is not None:
         named = latest_named(path.parent)
         path = named if named is not None else path
-    if (path / MANIFEST).is_file():
-        entry = next((e for e in [*entries(path.parent)] if e.path == path), None)
-        if entry is None or not entry.complete:
-            raise CheckpointError(
-                f"{path} is incomplete ({entry.reason if entry else 'unknown'}); pick another"
-            )
+    if (path / MANIFEST).is_file():  # a checkpoint, known by its manifest wherever it lies and however named
+        entry = inspect(path)
+        if not entry.complete:
+            raise CheckpointError(f"{path} is incomplete ({entry.reason}); pick another")
         return path
     latest, _ = latest_complete(RunDir(path).checkpoints)
     if latest is None:
@@ -185,6 +185,7 @@ def cmd_reshard(args: argparse.Namespace) -> None:
 def _reshard(args: argparse.Namespace) -> None:
     path = _checkpoint(Path(args.checkpoint))
     step = members.read_json(path, TRAINER, {"step": int}, error=CheckpointError)["step"]
+    read_index(path)  # the index against its files here, before a new layout is launched to read them
     out = Path(args.out)
     cmd = [
         sys.executable, "-m", "accelerate.commands.launch", "--config_file", args.config_file,

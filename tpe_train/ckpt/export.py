@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import shlex
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from tokenizers import Tokenizer
 
 from tpe_train.ckpt.rundir import CONFIG, EVAL, TOKENIZER, RunDir
 from tpe_train.ckpt.shards import read_index, read_tensor, write_safetensors
-from tpe_train.ckpt.store import TRAINER, CheckpointError, entries, read_yaml, sha256, verify
+from tpe_train.ckpt.store import MANIFEST, TRAINER, CheckpointError, entries, read_yaml, sha256, verify
 from tpe_train.config import Config, ConfigError, legacy, validate
 from tpe_train.data.batching import model_args
 from tpe_train.data.tokenizer import vocab_hash
@@ -117,6 +118,11 @@ def read_meta(directory: Path) -> dict[str, Any]:
 
 
 def _load_export(directory: Path) -> tuple[Transformer, Config, Tokenizer]:
+    if (directory / MANIFEST).is_file():  # known by its manifest, wherever it lies and however named
+        raise CheckpointError(
+            f"{directory} is a training checkpoint (it holds a manifest.json), not an export; export it "
+            f"first (tpe-ckpt export {shlex.quote(str(directory))} --out DIR) and pass DIR"
+        )
     missing = [n for n in (WEIGHTS, CONFIG, TOKENIZER) if not (directory / n).exists()]
     if missing:
         raise FileNotFoundError(

@@ -173,7 +173,7 @@ class ShardFile:
         self.base = 8 + self.length
 
     def _header(self) -> dict[str, Any]:
-        size = os.fstat(self.file.fileno()).st_size
+        self.size = size = os.fstat(self.file.fileno()).st_size
         head = self.file.read(8)
         (self.length,) = struct.unpack("<Q", head) if len(head) == 8 else (-1,)
         if not 0 <= self.length <= min(size - 8, MAX_HEADER):
@@ -195,6 +195,19 @@ class ShardFile:
                 raise ShardError(f"{where} has dtype {info['dtype'][:20]!r}, not one of {sorted(_TORCH)}")
             _ints(info.get("shape"), f"{where} shape")
             _ints(info.get("data_offsets"), f"{where} data_offsets", 2)
+        at = 0  # the tensors' bytes lie one after another and fill the data, as safetensors requires
+        for first, end, key in sorted((*info["data_offsets"], key) for key, info in header.items()):
+            if first != at or end < first:
+                raise ShardError(
+                    f"{self.path}: tensor {key[:200]!r} spans the bytes {first}-{end} of the data, where "
+                    f"the tensors before it end at {at}; {members.FIX}"
+                )
+            at = end
+        if at != size - 8 - self.length:
+            raise ShardError(
+                f"{self.path} holds {size - 8 - self.length:,} bytes after its header, where its tensors "
+                f"span {at:,}; {members.FIX}"
+            )
         return dict(header)
 
     def read(self, key: str, offsets: tuple[int, ...], lengths: tuple[int, ...]) -> Tensor:
@@ -368,14 +381,15 @@ def dump_index(index: dict[str, Any]) -> str:
     return json.dumps(head)[:-1] + ', "tensors": {\n' + ",\n".join(lines) + "\n}}\n"
 
 
-def read_index(directory: Path) -> dict[str, Any]:
-    """A checkpoint's index, checked against its manifest. A checkpoint of the first format (every
-    tensor whole, in ``model.safetensors`` and ``optimizer.safetensors``) gets one made from the files'
-    headers: each tensor is then a single chunk."""
+def read_index(directory: Path, files: bool = True) -> dict[str, Any]:
+    """A checkpoint's index, checked against its manifest and (``files``) every chunk against the
+    safetensors header of its file (``check_files``), before any tensor is read. A checkpoint of the
+    first format (every tensor whole, in ``model.safetensors`` and ``optimizer.safetensors``) gets one
+    made from the files' headers: each tensor is then a single chunk."""
     if (directory / INDEX).exists() or not (directory / "model.safetensors").exists():
         verify(directory, [INDEX])
         index = members.read_json(directory, INDEX, {"tensors": dict}, error=ShardError)
-        return _checked_index(directory, index)
+        return _checked_index(directory, index, files)
     tensors = {}
     for name in ("model.safetensors", "optimizer.safetensors"):
         f = ShardFile(directory / name)
@@ -398,11 +412,18 @@ def _ints(value: Any, where: str, count: int | None = None) -> list[int]:
     return list(value)
 
 
-def _checked_index(directory: Path, index: dict[str, Any]) -> dict[str, Any]:
+def _checked_index(directory: Path, index: dict[str, Any], files: bool) -> dict[str, Any]:
     """``index.json`` with the types its readers rely on; every chunk file a plain name of the
-    checkpoint that its manifest lists."""
+    checkpoint that its manifest lists; its dtype one of the format's; every chunk inside its tensor
+    under the key written for it (the tensor's name and offsets), and a tensor's chunks as many
+    elements as its shape; with ``files``, every chunk what its file's header holds (``check_files``)."""
     where = directory / INDEX
     listed = read_manifest(directory)["files"]
+    dtype = index.get("dtype")
+    if not isinstance(dtype, str) or dtype not in _TORCH:
+        raise ShardError(
+            f"{where} gives the dtype {str(dtype)[:20]!r}, not one of {sorted(_TORCH)}; {members.FIX}"
+        )
     for name, entry in index["tensors"].items():
         members.check_type(entry, dict, f"{where}: tensor {name!r}", ShardError)
         shape = _ints(entry.get("shape"), f"{where}: {name} shape")
@@ -413,7 +434,94 @@ def _checked_index(directory: Path, index: dict[str, Any]) -> dict[str, Any]:
             members.check_type(chunk.get("key"), str, f"{where}: a chunk key of {name}", ShardError)
             _ints(chunk.get("offsets"), f"{where}: a chunk of {name} offsets", len(shape))
             _ints(chunk.get("sizes"), f"{where}: a chunk of {name} sizes", len(shape))
+            _check_place(where, name, shape, chunk)
+        stored = sum(math.prod(c["sizes"]) for c in entry["chunks"])
+        if stored != math.prod(shape):
+            raise ShardError(
+                f"{where}: the chunks of {name} hold {stored:,} elements, where its shape {shape} has "
+                f"{math.prod(shape):,}: a chunk is missing or listed twice; {_disagree(where)}"
+            )
+    if files:
+        check_files(directory, index)
     return index
+
+
+def _check_place(where: Path, name: str, shape: list[int], chunk: dict[str, Any]) -> None:
+    """A chunk of ``index.json`` (``where``) lies inside its tensor, under the key written for it."""
+    offsets, sizes, key = chunk["offsets"], chunk["sizes"], chunk["key"][:200]
+    outside = [d for d, (o, n, s) in enumerate(zip(offsets, sizes, shape, strict=True)) if o + n > s]
+    if outside:
+        raise ShardError(
+            f"{where}: the chunk {key!r} of {name} spans offsets {offsets} + sizes {sizes}, outside the "
+            f"tensor's shape {shape} (dimension {outside[0]}); {_disagree(where)}"
+        )
+    if chunk["key"] != chunk_key(name, tuple(offsets)):
+        raise ShardError(
+            f"{where}: the chunk of {name} at offsets {offsets} has the key {key!r}, where "
+            f"{chunk_key(name, tuple(offsets))!r} is written; {_disagree(where)}"
+        )
+
+
+def check_files(directory: Path, index: dict[str, Any], only: Iterable[str] | None = None) -> None:
+    """Every chunk of a checked ``index`` (``only``: of those files) against the safetensors header of
+    its file, before any tensor is read: the file holds the chunk's key with the index's dtype, the
+    chunk's sizes as its shape and a byte range that holds them inside the file. A file whose header
+    does not agree is first checked against its manifest hash, so that a damaged file is named as
+    damaged."""
+    where = directory / INDEX
+    by_file: dict[str, list[tuple[str, dict[str, Any]]]] = {}
+    for name, entry in index["tensors"].items():
+        for chunk in entry["chunks"]:
+            by_file.setdefault(chunk["file"], []).append((name, chunk))
+    for file in sorted(set(by_file) if only is None else set(only) & set(by_file)):
+        chunks = by_file[file]
+        try:
+            try:
+                f = ShardFile(directory / file)
+            except ShardError as err:
+                name, chunk = chunks[0]
+                raise ShardError(
+                    f"{where} names {file!r} as the file of the chunk {chunk['key'][:200]!r} of {name}, "
+                    f"but {err}"
+                ) from None
+            f.close()
+            for name, chunk in chunks:
+                _check_chunk(where, f, index["dtype"], name, chunk)
+        except ShardError:
+            verify(directory, [file])  # a file changed since it was written: say so instead
+            raise
+
+
+def _check_chunk(where: Path, f: ShardFile, dtype: str, name: str, chunk: dict[str, Any]) -> None:
+    """One chunk of ``index.json`` (``where``) against the header of its file ``f``."""
+    sizes, key, fix = chunk["sizes"], chunk["key"][:200], _disagree(where)
+    info = f.header.get(chunk["key"])
+    if info is None:
+        raise ShardError(f"{f.path} holds no tensor {key!r}, which {where} names for {name}; {fix}")
+    if info["dtype"] != dtype:
+        raise ShardError(
+            f"{f.path}: tensor {key!r} is {info['dtype']}, {where} gives {dtype} for every chunk; {fix}"
+        )
+    if info["shape"] != sizes:
+        raise ShardError(
+            f"{f.path}: tensor {key!r} has the shape {info['shape']}, {where} gives the sizes {sizes}; {fix}"
+        )
+    first, end = info["data_offsets"]
+    width = torch.tensor([], dtype=_TORCH[dtype]).element_size()
+    if end - first != math.prod(sizes) * width or f.base + end > f.size:
+        raise ShardError(
+            f"{f.path}: tensor {key!r} spans the bytes {first}-{end} of the data, which do not hold "
+            f"{math.prod(sizes):,} {dtype} elements inside the file's {f.size - f.base:,} bytes of data; "
+            f"{fix}"
+        )
+
+
+def _disagree(where: Path) -> str:
+    """The fix of an index that does not match its checkpoint's files."""
+    return (
+        f"{where} and the files it names disagree (the checkpoint was altered, or assembled from "
+        "different saves); use another checkpoint (tpe-ckpt list) or an unaltered copy of this one"
+    )
 
 
 def read_tensor(directory: Path, index: dict[str, Any], name: str) -> Tensor:

@@ -41,6 +41,7 @@ from tpe_train.ckpt.shards import (
     Piece,
     Plan,
     ShardError,
+    check_files,
     dump_index,
     merge_index,
     read_index,
@@ -303,7 +304,7 @@ class Checkpointer:
         check_compatible(path, cfg, vocab_hash(self.tok))
         verify(path, [TRAINER])
         trainer = read_trainer(path)
-        index = read_index(path)
+        index = read_index(path, files=False)  # each rank checks the files it reads (below)
         saved, steps = trainer["layout"], int(trainer["adam_steps"])
         same_layout = saved == self.layout
         mine = path / rank_file(ctx.rank)
@@ -323,6 +324,7 @@ class Checkpointer:
         try:
             plan = Plan(path, index, [(h.region, h.data) for h in wanted if h.region.name in stored])
             verify(path, [*plan.files, *([mine.name] if same_layout or per_rank else [])])
+            check_files(path, index, plan.files)
         except (ShardError, CheckpointError) as err:
             error = str(err)
         errors = [e for e in ctx.gather(error) if e]
