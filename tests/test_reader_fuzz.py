@@ -33,6 +33,7 @@ from test_reader_fuzz_data import EXAMPLES as DATA_EXAMPLES
 from tests.support.fuzz import PARQUET, contents, damaged_parquet, drawn, fuzz, gzipped, outcome, raw
 from tests.support.models import TINY_RUN
 from tpe_train.ckpt import cli as ckpt_cli
+from tpe_train.ckpt import commands as ckpt_commands
 from tpe_train.ckpt import export, shards, state, store
 from tpe_train.ckpt.errors import CheckpointError, UnknownFormat
 from tpe_train.ckpt.rundir import RunDir
@@ -243,10 +244,10 @@ def replace_output(out: Path, fmt: str) -> None:
     """What reads an export's marker: a later export to the same ``--out`` (``check_output``), and
     ``tpe-eval --out`` adding its files to a native export (``record``)."""
     if fmt == "native":
-        export.check_export_out(out, ckpt_cli.COMMAND)
+        export.check_export_out(out, ckpt_commands.COMMAND)
         record(out, ["eval.json"], "tpe-eval")
     else:
-        check_output(out, ckpt_cli.COMMAND, export.KINDS[fmt], protected=RunDir.what)
+        check_output(out, ckpt_commands.COMMAND, export.KINDS[fmt], protected=RunDir.what)
 
 
 @pytest.mark.parametrize("fmt", export.KINDS)
