@@ -19,6 +19,11 @@ from support.models import TINY_RUN
 from tpe_train.model import kernels
 from tpe_train.run import logs
 
+# One intra-op thread in the test process: the unit tests' models are tiny, and a second thread costs
+# more in waits than it saves (test_model.py's 150 overfitting steps of a d=32 model: 1.4 s on one
+# thread, 77 s on two with both cores busy). Tests of threading set their own count; the processes
+# tests start keep their own setting (train.threads).
+torch.set_num_threads(1)
 # Token stores of every test (and of the processes tests start) go to a fresh temporary directory.
 os.environ["TPE_DATA_CACHE"] = tempfile.mkdtemp(prefix="tpe-data-")
 # No user's Slurm site file (~/.config/tpe-train/slurm.yaml) changes what `tpe-launch submit` renders here;
