@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,14 +14,34 @@ from typing import Any
 
 import pytest
 import torch
+from support.models import TINY_RUN
 
+from tpe_train.model import kernels
 from tpe_train.run import logs
 
+# One intra-op thread in the test process: the unit tests' models are tiny, and a second thread costs
+# more in waits than it saves (test_model.py's 150 overfitting steps of a d=32 model: 1.4 s on one
+# thread, 77 s on two with both cores busy). Tests of threading set their own count; the processes
+# tests start keep their own setting (train.threads).
+torch.set_num_threads(1)
 # Token stores of every test (and of the processes tests start) go to a fresh temporary directory.
 os.environ["TPE_DATA_CACHE"] = tempfile.mkdtemp(prefix="tpe-data-")
 # No user's Slurm site file (~/.config/tpe-train/slurm.yaml) changes what `tpe-launch submit` renders here;
 # the tests that read one point TPE_SLURM_CONFIG at their own.
 os.environ["TPE_SLURM_CONFIG"] = ""
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """``TPE_CPU_GEMM=onednn`` or ``default`` runs the suite, and every process it starts, with that
+    mode wherever ``train.cpu_gemm`` is ``auto`` (docs/testing.md); any other value stops here."""
+    try:
+        kernels.forced_cpu_gemm()
+    except ValueError as err:
+        raise pytest.UsageError(str(err)) from None
+
+
+def pytest_report_header() -> str:
+    return f"{kernels.CPU_GEMM_ENV}: {kernels.forced_cpu_gemm() or 'unset (auto follows the processor)'}"
 
 
 @pytest.fixture(autouse=True)
@@ -56,6 +77,21 @@ def tiny_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
         f"data.store_dir={root / 'store'}",
     ]
     assert tpe_train(argv) == 0
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A real ``tpe-train`` run of the tiniest model (``TINY_RUN``, 2 steps, a checkpoint after each),
+    made once for the whole session and shared by the files that read one: ``run/`` (checkpoints
+    ``step-00000001`` and ``step-00000002``, the final export ``checkpoint``) and ``store/`` (its token
+    store) under the returned folder. Tests copy what they change; only integration tests may ask
+    for it (it starts a process)."""
+    root = tmp_path_factory.mktemp("tiny-run")
+    cmd = [sys.executable, "-m", "tpe_train.train", *TINY_RUN, "train.max_steps=2", "train.save_every=1"]
+    cmd += [f"train.run_dir={root / 'run'}", f"data.store_dir={root / 'store'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
     return root
 
 

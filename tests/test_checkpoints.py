@@ -7,6 +7,7 @@ import itertools
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tpe_train.ckpt.cli import main as ckpt_main
 from tpe_train.ckpt.shards import read_index, read_tensor
 from tpe_train.ckpt.store import entries, sha256
 
@@ -314,11 +316,19 @@ def tpe_ckpt(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "tpe_train.ckpt.cli", *args], capture_output=True, text=True)
 
 
-def test_the_final_model_is_the_mean_of_the_last_checkpoints_when_asked(tmp_path: Path) -> None:
-    run = tmp_path / "run"
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str]:
+    """6 steps saved every 2 and the mean of the last 3 as the final model, evaluated at the end: the
+    run directory and the run's output. The tpe-ckpt test reads a copy of it."""
+    run = tmp_path_factory.mktemp("six") / "run"
     proc = train(run, "train.max_steps=6", "train.save_every=2", "train.keep_last=3", "eval.average_last=3",
                  "eval.at_end=true")  # fmt: skip
-    assert "final model = mean of step-00000002, step-00000004, step-00000006" in proc.stdout
+    return run, proc.stdout
+
+
+def test_the_final_model_is_the_mean_of_the_last_checkpoints_when_asked(six_steps: tuple[Path, str]) -> None:
+    run, stdout = six_steps
+    assert "final model = mean of step-00000002, step-00000004, step-00000006" in stdout
     got = exported(run / "averaged-last3")
     parts = [weights(run / f"checkpoints/step-0000000{s}") for s in (2, 4, 6)]
     for k in got:
@@ -347,9 +357,11 @@ def test_the_final_model_is_the_mean_of_the_last_checkpoints_when_asked(tmp_path
     assert all(torch.equal(last[k], parts[-1][k]) for k in last)
 
 
-def test_tpe_ckpt_list_average_and_export(tmp_path: Path) -> None:
+def test_tpe_ckpt_list_average_and_export(
+    six_steps: tuple[Path, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     run = tmp_path / "run"
-    train(run, "train.max_steps=6", "train.save_every=2")
+    shutil.copytree(six_steps[0], run)  # checkpoints at steps 2, 4 and 6
     (run / "checkpoints" / ".tmp-step-00000008").mkdir()
     listing = tpe_ckpt("list", str(run))
     assert listing.returncode == 0
@@ -377,8 +389,9 @@ def test_tpe_ckpt_list_average_and_export(tmp_path: Path) -> None:
     )
     assert scored.returncode == 0, scored.stderr[-2000:]
     assert 0 <= json.loads(scored.stdout)["bleu"] <= 100
-    missing = tpe_ckpt("average", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x"))
-    assert missing.returncode == 2 and "no complete checkpoint" in missing.stderr
+    # a run directory without checkpoints: exit status 2 and the reason (in this process: one start less)
+    assert ckpt_main(["average", str(tmp_path / "nowhere"), "--out", str(tmp_path / "x")]) == 2
+    assert "no complete checkpoint" in capsys.readouterr().err
 
 
 def test_a_tampered_export_is_refused(tmp_path: Path) -> None:

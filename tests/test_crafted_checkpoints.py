@@ -83,16 +83,10 @@ def assert_stayed_inside(record: Opened, base: Path, inside: list[Path]) -> None
             assert any(_under(path, root) for root in inside), f"{name} was opened ({path})"
 
 
-# -- the real run, made once ------------------------------------------------------------------------
+# -- the real run, made once per session (``tiny_run`` of tests/conftest.py) -------------------------
 @pytest.fixture(scope="module")
-def made(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("made")
-    run, store = root / "run", root / "store"
-    cmd = [sys.executable, "-m", "tpe_train.train", *TINY, "train.max_steps=2", "train.save_every=1"]
-    cmd += [f"train.run_dir={run}", f"data.store_dir={store}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return root
+def made(tiny_run: Path) -> Path:
+    return tiny_run
 
 
 @pytest.fixture

@@ -283,7 +283,7 @@ TINY = [
 
 @pytest.mark.integration
 def test_the_tpe_ckpt_commands_of_the_demo_run_run_on_a_tiny_run(tmp_path: Path) -> None:
-    from tpe_train.ckpt import cli
+    from tpe_train.ckpt import cli, commands
 
     documented = [c for c in COMMANDS if c.argv[0] == "tpe-ckpt" and DEMO_RUN in " ".join(c.argv)]
     assert {c.argv[1] for c in documented} >= {"list", "average", "export", "reshard"}
@@ -292,12 +292,16 @@ def test_the_tpe_ckpt_commands_of_the_demo_run_run_on_a_tiny_run(tmp_path: Path)
     trained = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr[-3000:]
     latest = run / "checkpoints" / "latest"  # the pointer file names a checkpoint as well
-    assert cli._checkpoint(latest) == cli._checkpoint(run) == run / "checkpoints" / latest.read_text().strip()
+    assert (
+        commands._checkpoint(latest)
+        == commands._checkpoint(run)
+        == run / "checkpoints" / latest.read_text().strip()
+    )
     for command in documented:
         argv = list(command.argv[1:])
         if argv[0] == "reshard":  # two ranks under accelerate: too slow here; its source resolves
             checkpoint = parse_only(pytest.MonkeyPatch(), "tpe-ckpt", argv).checkpoint
-            assert cli._checkpoint(tmp_path / checkpoint).parent == run / "checkpoints", command.id
+            assert commands._checkpoint(tmp_path / checkpoint).parent == run / "checkpoints", command.id
             continue
         with contextlib.chdir(tmp_path), contextlib.redirect_stdout(io.StringIO()):
             code = cli.main(argv)

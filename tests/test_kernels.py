@@ -22,6 +22,7 @@ from tpe_train.model.args import ModelArgs
 from tpe_train.model.transformer import Transformer
 from tpe_train.parallel.context import ParallelContext
 from tpe_train.parallel.engine import Engine
+from tpe_train.train.cpu_setup import configure_cpu
 from tpe_train.train.step import train_step
 
 PRESETS = [
@@ -144,6 +145,28 @@ def test_the_switch_and_its_exceptions(cpu_gemm: None) -> None:
         kernels.set_cpu_gemm("fast")
     with pytest.raises(ConfigError, match="cpu_gemm"):
         load_config("demo", ["train.cpu_gemm=fast"])
+
+
+def test_tpe_cpu_gemm_sets_what_auto_means(cpu_gemm: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``$TPE_CPU_GEMM`` (how the suite runs under each kernel choice) replaces ``auto`` only: the
+    products go where that mode sends them, whatever the processor's rule; an explicit mode stays."""
+    x, w = torch.randn(64, 40, 128), torch.randn(256, 128, requires_grad=True)
+    monkeypatch.setenv(kernels.CPU_GEMM_ENV, "onednn")
+    kernels.set_cpu_gemm("auto")
+    assert kernels.onednn_chosen() and type(kernels.linear(x, w).grad_fn).__name__ == "_CpuLinearBackward"
+    kernels.set_cpu_gemm("default")
+    assert not kernels.onednn_chosen()
+    monkeypatch.setenv(kernels.CPU_GEMM_ENV, "default")
+    kernels.set_cpu_gemm("auto")
+    assert not kernels.onednn_chosen() and type(kernels.linear(x, w).grad_fn).__name__ != "_CpuLinearBackward"
+    kernels.set_cpu_gemm("onednn")
+    assert kernels.onednn_chosen()
+    monkeypatch.setenv(kernels.CPU_GEMM_ENV, "fast")
+    with pytest.raises(ValueError, match="TPE_CPU_GEMM='fast' is not one of"):
+        kernels.set_cpu_gemm("auto")
+    with pytest.raises(ConfigError, match="TPE_CPU_GEMM='fast'"):  # the trainer's start-up: exit status 2
+        configure_cpu("auto", torch.device("cpu"))
+    monkeypatch.delenv(kernels.CPU_GEMM_ENV)
 
 
 @pytest.mark.parametrize("onednn", [False, True])

@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import ast
+import json
 import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
+from support.docs import console_scripts
 
 ROOT = Path(__file__).resolve().parent.parent
 PKG = ROOT / "tpe_train"
@@ -30,7 +36,7 @@ def test_model_and_positions_import_only_torch_and_each_other() -> None:
                     assert name.startswith(allowed), f"{path.name} imports {name}"
                 else:
                     # torch and small parts of the standard library (the packed-inference scope of
-                    # model/kernels.py is a context manager with per-thread state)
+                    # model/kernels.py is a context manager with per-thread state; it reads $TPE_CPU_GEMM)
                     stdlib = {
                         "__future__",
                         "math",
@@ -39,6 +45,7 @@ def test_model_and_positions_import_only_torch_and_each_other() -> None:
                         "collections",
                         "contextlib",
                         "threading",
+                        "os",
                     }
                     assert top in {"torch", *stdlib}, f"{path.relative_to(ROOT)} imports {name}"
 
@@ -292,3 +299,39 @@ def test_benchmarks_share_through_the_harness_only() -> None:
             assert not mine, f"the harness imports {sorted(mine)}"
         elif name.startswith("benchmarks.") and not name.startswith("benchmarks.gpu"):
             assert mine <= shared, f"{name} imports {sorted(mine - shared)}: share it through the harness"
+
+
+#: What a console script may not import before its arguments parse (each costs 0.5-2 s of CPU time).
+HEAVY = ("torch", "deepspeed", "datasets", "accelerate", "transformers", "tokenizers", "pydantic")
+
+ANSWER_WITHOUT_HEAVY = """
+import contextlib, importlib, io, json, sys
+heavy, found = sys.argv[1].split(","), {}
+for script, target in json.loads(sys.argv[2]).items():
+    module, _, function = target.partition(":")
+    main = getattr(importlib.import_module(module), "main" if function == "entry" else function)
+    for argv in (["--help"], ["--no-such-option"]):
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            try:
+                code = main(argv)
+            except SystemExit as stop:
+                code = stop.code
+        found[f"{script} {argv[0]}"] = [code, [name for name in heavy if name in sys.modules]]
+print(json.dumps(found))
+"""
+
+
+@pytest.mark.integration
+def test_console_scripts_answer_help_and_wrong_options_without_torch() -> None:
+    """``--help`` and a wrong option answer before torch, DeepSpeed or datasets load: every console
+    script parses its arguments first (2 s of imports otherwise, in every test that starts one)."""
+    scripts = console_scripts()
+    args = [sys.executable, "-c", ANSWER_WITHOUT_HEAVY, ",".join(HEAVY), json.dumps(scripts)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout)
+    assert len(found) == 2 * len(scripts) == 14
+    assert {key: code for key, (code, _) in found.items()} == {
+        key: 0 if key.endswith("--help") else 2 for key in found
+    }
+    assert {key: loaded for key, (_, loaded) in found.items() if loaded} == {}

@@ -18,8 +18,6 @@ import hashlib
 import json
 import shutil
 import struct
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -31,8 +29,8 @@ from test_eval_figures_fuzz import EXAMPLES as FIGURES_EXAMPLES
 from test_reader_fuzz_data import EXAMPLES as DATA_EXAMPLES
 
 from tests.support.fuzz import PARQUET, contents, damaged_parquet, drawn, fuzz, gzipped, outcome, raw
-from tests.support.models import TINY_RUN
 from tpe_train.ckpt import cli as ckpt_cli
+from tpe_train.ckpt import commands as ckpt_commands
 from tpe_train.ckpt import export, shards, state, store
 from tpe_train.ckpt.errors import CheckpointError, UnknownFormat
 from tpe_train.ckpt.rundir import RunDir
@@ -46,7 +44,6 @@ from tpe_train.run.outputs import MARKER, OutputRefused, check_output, record
 
 pytestmark = pytest.mark.integration  # the checkpoint is made by the real tpe-train
 
-TINY = [*TINY_RUN, "train.max_steps=1"]
 CORPUS_EXAMPLES = 150
 PAIR_EXAMPLES = 60
 PARQUET_EXAMPLES = 30
@@ -119,15 +116,11 @@ def test_a_parquet_split_of_random_bytes_reads_or_gives_a_corpus_error(data: byt
 
 # -- a real checkpoint and its export ------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def made(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("fuzz-run")
-    cmd = [sys.executable, "-m", "tpe_train.train", *TINY]
-    cmd += [f"train.run_dir={root / 'run'}", f"data.store_dir={root / 'store'}"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def made(tiny_run: Path) -> Path:
+    """The session's real tiny run (``tiny_run`` of tests/conftest.py): read here, never changed."""
     global RUN_CONFIG
-    RUN_CONFIG = validate(yaml.safe_load((root / "run" / "config.yaml").read_text()))
-    return root / "run"
+    RUN_CONFIG = validate(yaml.safe_load((tiny_run / "run" / "config.yaml").read_text()))
+    return tiny_run / "run"
 
 
 RUN_CONFIG = Config()  # the made run's, for the resume's comparison
@@ -163,7 +156,7 @@ def read_checkpoint(ckpt: Path) -> None:
 def _scratch(made: Path, tmp: str) -> Path:
     """A copy of the run's last checkpoint (with ``latest`` beside it) under ``tmp``."""
     root = Path(tmp) / "checkpoints"
-    ckpt = root / "step-00000001"
+    ckpt = root / (made / "checkpoints" / store.LATEST).read_text().strip()
     shutil.copytree(made / "checkpoints" / ckpt.name, ckpt)
     shutil.copy(made / "checkpoints" / store.LATEST, root / store.LATEST)
     return ckpt
@@ -230,11 +223,11 @@ def test_an_export_file_of_random_bytes_gives_a_checkpoint_error(
 
 
 @pytest.fixture(scope="module")
-def exports(made: Path) -> dict[str, Path]:
+def exports(made: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """The run's own export and its HF and CTranslate2 exports (``tpe-ckpt export --format``), by format."""
-    found = {"native": made / "checkpoint"}
+    found, folder = {"native": made / "checkpoint"}, tmp_path_factory.mktemp("fuzz-exports")
     for fmt in ("hf", "ctranslate2"):
-        found[fmt] = made.parent / fmt
+        found[fmt] = folder / fmt
         assert ckpt_cli.main(["export", str(made), "--out", str(found[fmt]), "--format", fmt]) == 0
     return found
 
@@ -243,10 +236,10 @@ def replace_output(out: Path, fmt: str) -> None:
     """What reads an export's marker: a later export to the same ``--out`` (``check_output``), and
     ``tpe-eval --out`` adding its files to a native export (``record``)."""
     if fmt == "native":
-        export.check_export_out(out, ckpt_cli.COMMAND)
+        export.check_export_out(out, ckpt_commands.COMMAND)
         record(out, ["eval.json"], "tpe-eval")
     else:
-        check_output(out, ckpt_cli.COMMAND, export.KINDS[fmt], protected=RunDir.what)
+        check_output(out, ckpt_commands.COMMAND, export.KINDS[fmt], protected=RunDir.what)
 
 
 @pytest.mark.parametrize("fmt", export.KINDS)

@@ -139,17 +139,18 @@ def test_tpe_eval_rejects_a_directory_that_is_not_a_checkpoint(tmp_path: Path) -
 
 
 @pytest.mark.parametrize("device", ["cuda:99", "potato"])
-def test_tpe_eval_refuses_a_device_it_cannot_use(run_dir: Path, device: str) -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "tpe_train.evaluation", "--checkpoint", str(run_dir / "checkpoint"),
-         "--device", device],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )  # fmt: skip
-    assert proc.returncode == 2 and proc.stdout == ""
-    assert f"--device {device}" in proc.stderr and "use auto, cpu" in proc.stderr
-    assert "Traceback" not in proc.stderr
+def test_tpe_eval_refuses_a_device_it_cannot_use(
+    run_dir: Path, device: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The command's ``main`` in this process (the exit status and stderr of a refusal as a process:
+    the test above)."""
+    from tpe_train.evaluation.cli import eval_main
+
+    code = eval_main(["--checkpoint", str(run_dir / "checkpoint"), "--device", device])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert f"--device {device}" in err and "use auto, cpu" in err
+    assert "Traceback" not in err
 
 
 def test_validation_leaves_out_pairs_longer_than_a_learned_table(tmp_path: Path) -> None:

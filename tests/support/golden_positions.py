@@ -1,8 +1,9 @@
 """Outputs of the seven older encodings at a fixed seed: full pass and incremental decoding, sdpa and
 explicit. ``golden_positions.pt`` holds them as computed by the code before the position interface was
 widened for keys (revision b3977b6): ``python tests/support/golden_positions.py OUT.pt`` in a checkout
-of that revision, with ``tests`` on the path. tests/test_position_kernels.py compares the current code
-with it bitwise."""
+of that revision, with ``tests`` on the path, on an Intel Xeon with PyTorch's kernels.
+tests/test_position_kernels.py compares the current code with it within fp32 rounding (another
+processor's kernels sum in another order)."""
 
 from __future__ import annotations
 

@@ -207,7 +207,8 @@ class TrainConfig(Section):
     cpu_gemm: Literal["auto", "onednn", "default"] = "auto"
     """Kernels of the linear layers' training GEMMs on a CPU (tpe_train/model/kernels.py): auto = oneDNN
     for fp32 where it beats MKL (AVX-512 processors not made by Intel) and bf16 widened to fp32 where
-    the CPU has no bf16 kernels; onednn = fp32 always through oneDNN; default = PyTorch's kernels."""
+    the CPU has no bf16 kernels; onednn = fp32 always through oneDNN; default = PyTorch's kernels. Where
+    $TPE_CPU_GEMM is onednn or default, auto means that mode (docs/testing.md)."""
     peak_gflops: Float = Field(0.0, ge=0.0)
     """GEMM peak of one device in the training precision, GFLOP/s, that train/mfu is measured against;
     0: measured at start-up (about a second; the best of PyTorch's, oneDNN's and widened kernels)."""

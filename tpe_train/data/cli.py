@@ -1,25 +1,27 @@
 """``tpe-data prepare --preset P [overrides]``: build the token store ahead of training, once, so that
 the ranks of a multi-node job only read it. ``tpe-data check --preset P [overrides]``: the files the
 corpus needs, the ones found, lines per side and every problem with its fix, before any training
-(exit status 1 when there is a problem)."""
+(exit status 1 when there is a problem). Torch and the rest load after the arguments parse."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+from typing import TYPE_CHECKING
 
-from tpe_train.config import ConfigError, DataConfig, load_config
-from tpe_train.data.check import check_corpus, suggested_vocab
-from tpe_train.data.prepare import prepare
-from tpe_train.data.sources import CorpusError
 from tpe_train.run import logs
 from tpe_train.run.members import MemberError
+
+if TYPE_CHECKING:
+    from tpe_train.config import DataConfig
 
 log = logging.getLogger(__name__)
 
 
 def _check(cfg_data: DataConfig) -> int:
+    from tpe_train.data.check import check_corpus, suggested_vocab
+
     report = check_corpus(cfg_data)
     for line in report.lines:
         log.info("%s", line)
@@ -52,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--preset", default="demo", help="preset name in configs/presets or a YAML path")
         p.add_argument("overrides", nargs="*", help="dotted overrides, e.g. data.corpus=text data.path=DIR")
     args = parser.parse_args(argv)
+    from tpe_train.config import ConfigError, load_config  # torch and the rest: after the arguments parse
+    from tpe_train.data.prepare import prepare
+    from tpe_train.data.sources import CorpusError
+
     logs.configure("tpe-data")
     try:
         cfg = load_config(args.preset, args.overrides)

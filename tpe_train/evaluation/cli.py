@@ -1,55 +1,44 @@
 """The evaluation commands: ``tpe-eval`` scores an export on test sets (and tests it against another),
 ``tpe-translate`` translates a file or stdin with one. Their library halves are ``evaluate`` and
-``translate``; this module only parses arguments, reports bad input and prints.
+``translate``; this module only parses arguments, reports bad input and prints. The arguments are
+parsed before torch and the library are imported: ``--help`` and a wrong option answer at once.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import contextlib
+import importlib.util
 import itertools
 import json
 import logging
 import os
 import sys
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
-from typing import IO
+from typing import IO, TYPE_CHECKING
 
-import torch
-from tokenizers import Tokenizer
-from tqdm import tqdm
-
-from tpe_train.config import ConfigError, DataConfig
-from tpe_train.evaluation import evaluate as evaluate_module
-from tpe_train.evaluation import translate as translate_module
-from tpe_train.evaluation.decoding import (
-    DecodeOptions,
-    InputError,
-    device_from_arg,
-    encode_capped,
-    utf8_lines,
-)
-from tpe_train.evaluation.ensemble import load_models
-from tpe_train.evaluation.evaluate import (
-    EvalFiles,
-    TestSet,
-    compare,
-    concatenated,
-    config_sets,
-    corpus_sets,
-    evaluate,
-    file_set,
-    format_comparison,
-    format_evaluation,
-)
-from tpe_train.evaluation.position_report import add_diagnostics_option, report_diagnostics
-from tpe_train.evaluation.translate import Tally, too_long_error, translate_stream
-from tpe_train.model.transformer import Transformer
+from tpe_train.evaluation.options import DIAGNOSTIC_PAIRS, JSON_NAME, MAX_SOURCE_LEN
 from tpe_train.run import logs
 
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
+
+    from tpe_train.config import DataConfig
+    from tpe_train.evaluation.decoding import DecodeOptions
+    from tpe_train.evaluation.evaluate import TestSet
+    from tpe_train.evaluation.translate import Tally
+
 log = logging.getLogger(__name__)
+
+
+def _doc(module: str) -> str | None:
+    """A module's docstring, read from its source without importing it (and torch)."""
+    spec = importlib.util.find_spec(module)
+    if spec is None or spec.origin is None:
+        return None
+    return ast.get_docstring(ast.parse(Path(spec.origin).read_text(encoding="utf-8")), clean=False)
 
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
@@ -75,7 +64,7 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
 def eval_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         prog="tpe-eval",
-        description=evaluate_module.__doc__,
+        description=_doc("tpe_train.evaluation.evaluate"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
@@ -116,7 +105,13 @@ def eval_args(argv: list[str] | None) -> argparse.Namespace:
         "named SET+xN): long inputs from real text, at N times the set's lengths",
     )
     add_model_options(parser)
-    add_diagnostics_option(parser)
+    parser.add_argument(
+        "--diagnostics",
+        action="store_true",
+        help=f"also measure position diagnostics on the first {DIAGNOSTIC_PAIRS} pairs of the first set "
+        "(docs/positions.md): mean attention distance per layer and head, printed as a table and written "
+        f"to {JSON_NAME} with position-similarity images in --out (else the working directory)",
+    )
     return parser.parse_args(argv)
 
 
@@ -128,6 +123,9 @@ def _concat_sizes(text: str) -> list[int]:
 
 
 def _sets(args: argparse.Namespace, cfg: DataConfig) -> list[TestSet]:
+    from tpe_train.evaluation.decoding import InputError
+    from tpe_train.evaluation.evaluate import concatenated, config_sets, corpus_sets, file_set
+
     if len(args.src) != len(args.ref):
         raise InputError(
             f"{len(args.src)} --src but {len(args.ref)} --ref; give each source file its reference"
@@ -151,9 +149,23 @@ def _sets(args: argparse.Namespace, cfg: DataConfig) -> list[TestSet]:
 
 def eval_main(argv: list[str] | None = None) -> int:
     """``tpe-eval``: score an export on test sets; with ``--compare``, test it against another."""
-    from tpe_train.ckpt.export import load_export
-
     args = eval_args(argv)
+    import torch  # and the library: after the arguments parse
+
+    from tpe_train.ckpt.export import load_export
+    from tpe_train.config import ConfigError
+    from tpe_train.evaluation.decoding import device_from_arg
+    from tpe_train.evaluation.ensemble import load_models
+    from tpe_train.evaluation.evaluate import (
+        EvalFiles,
+        compare,
+        evaluate,
+        format_comparison,
+        format_evaluation,
+    )
+    from tpe_train.evaluation.position_report import report_diagnostics
+    from tpe_train.model.transformer import Transformer
+
     logs.configure("tpe-eval")
     try:
         if args.beam is not None and args.beam < 1:
@@ -204,13 +216,11 @@ def eval_main(argv: list[str] | None = None) -> int:
 # --------------------------------------------------------------------------------------------------
 # tpe-translate
 
-MAX_SOURCE_LEN = 1024  # subword tokens of a source line, for every encoding (--max-source-len)
-
 
 def translate_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="tpe-translate",
-        description=translate_module.__doc__,
+        description=_doc("tpe_train.evaluation.translate"),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument(
@@ -260,6 +270,8 @@ def translate_args(argv: list[str] | None) -> argparse.Namespace:
 
 def decode_options(args: argparse.Namespace, base: DecodeOptions) -> DecodeOptions:
     """The checkpoint's decoding with the command line's changes (``ValueError`` names a bad one)."""
+    from dataclasses import replace
+
     changes = {
         "beam": 1 if args.greedy else args.beam,
         "alpha": args.length_penalty,
@@ -287,6 +299,8 @@ def decode_options(args: argparse.Namespace, base: DecodeOptions) -> DecodeOptio
 
 def _count_lines(path: str) -> int:
     """Lines of a file, every one checked for UTF-8 before any work (``InputError`` names the line)."""
+    from tpe_train.evaluation.decoding import InputError, utf8_lines
+
     try:
         with open(path, "rb") as f:
             return sum(1 for _ in utf8_lines(f, path))
@@ -297,6 +311,9 @@ def _count_lines(path: str) -> int:
 def _check_lengths(path: str, tok: Tokenizer, limit: int) -> None:
     """Every line of a file within ``limit`` subword tokens, checked before any decoding (an
     ``InputError`` names the first longer one and how many more there are)."""
+    from tpe_train.evaluation.decoding import InputError, encode_capped, utf8_lines
+    from tpe_train.evaluation.translate import too_long_error
+
     over: list[tuple[int, int, bool]] = []
     with open(path, "rb") as f:
         lines = utf8_lines(f, path)
@@ -347,6 +364,14 @@ def _output(path: str, tally: Tally) -> Iterator[IO[str]]:
 def translate_main(argv: list[str] | None = None) -> int:
     """Entry point of ``tpe-translate``."""
     args = translate_args(argv)
+    import torch  # and the library: after the arguments parse
+    from tqdm import tqdm
+
+    from tpe_train.config import ConfigError
+    from tpe_train.evaluation.decoding import DecodeOptions, InputError, device_from_arg, utf8_lines
+    from tpe_train.evaluation.ensemble import load_models
+    from tpe_train.evaluation.translate import Tally, translate_stream
+
     logs.configure("tpe-translate", info_stream="stderr")  # stdout: the translations
     try:
         device = device_from_arg(args.device)

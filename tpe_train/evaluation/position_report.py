@@ -15,7 +15,6 @@ training).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import json
 import sys
@@ -32,15 +31,13 @@ from torch import Tensor
 from tpe_train.data.batching import BOS_ID, EOS_ID, pad
 from tpe_train.data.synthetic import Pair
 from tpe_train.data.tokenizer import encode
+from tpe_train.evaluation.options import DIAGNOSTIC_PAIRS as DIAGNOSTIC_PAIRS
+from tpe_train.evaluation.options import JSON_NAME
 from tpe_train.model.position_stats import SIDES, Distances, attention_distances, position_similarity
 from tpe_train.model.transformer import Transformer
 
-#: sentences in the diagnostics batch
-DIAGNOSTIC_PAIRS = 64
 #: the largest side of a similarity image; a longer table is averaged down to it (TensorBoard's size)
 IMAGE_SIDE = 256
-#: file names of ``tpe-eval --diagnostics`` in its output directory
-JSON_NAME = "diagnostics.json"
 SHORT = {"encoder": "enc", "decoder": "dec"}
 
 
@@ -180,17 +177,6 @@ def similarity_image(sim: Tensor, side: int = IMAGE_SIDE) -> np.ndarray:
 
 # --------------------------------------------------------------------------------------------------
 # tpe-eval --diagnostics
-
-
-def add_diagnostics_option(parser: argparse.ArgumentParser) -> None:
-    """``--diagnostics`` of ``tpe-eval``."""
-    parser.add_argument(
-        "--diagnostics",
-        action="store_true",
-        help=f"also measure position diagnostics on the first {DIAGNOSTIC_PAIRS} pairs of the first set "
-        "(docs/positions.md): mean attention distance per layer and head, printed as a table and written "
-        f"to {JSON_NAME} with position-similarity images in --out (else the working directory)",
-    )
 
 
 def report_diagnostics(

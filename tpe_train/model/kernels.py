@@ -27,13 +27,15 @@ of a linear layer -- the forward x W^T, the input gradient g W and the weight gr
 
 A rule, not a timing: every process of a run (and a resumed run) makes the same choice and computes
 the same bits. ``auto`` follows the rules, ``onednn`` forces oneDNN for fp32 products, ``default``
-keeps PyTorch's kernels. GPUs, other dtypes, small products and ``torch.compile`` (which traces
-``F.linear``) always take ``F.linear``.
+keeps PyTorch's kernels; where ``$TPE_CPU_GEMM`` is ``onednn`` or ``default``, ``auto`` means that
+mode (the tests run under each: docs/testing.md). GPUs, other dtypes, small products and
+``torch.compile`` (which traces ``F.linear``) always take ``F.linear``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -163,13 +165,28 @@ def _packable(x: Tensor, weight: Tensor) -> bool:
 #: any size always through oneDNN; bf16 as auto), ``default`` (PyTorch's own kernels for everything).
 CPU_GEMM_MODES = ("auto", "onednn", "default")
 
+#: Where set (``onednn`` or ``default``), ``auto`` means that mode in every process that reads it: the
+#: test suite runs under each to show that no assertion depends on the kernels a processor picks.
+CPU_GEMM_ENV = "TPE_CPU_GEMM"
+
 #: Under ``auto``, products smaller than this many multiply-adds stay with ``F.linear``: the extra
 #: setup of a oneDNN call or of widening only pays on large products.
 _MIN_MACS = 1 << 20
 
 
+def forced_cpu_gemm() -> str | None:
+    """``$TPE_CPU_GEMM`` (``onednn`` or ``default``), the mode that replaces ``auto``; None where unset."""
+    value = os.environ.get(CPU_GEMM_ENV, "")
+    if value and value not in CPU_GEMM_MODES[1:]:
+        raise ValueError(
+            f"{CPU_GEMM_ENV}={value!r} is not one of {CPU_GEMM_MODES[1:]}: set it to one of them to force "
+            "the CPU training GEMMs' kernels where train.cpu_gemm is auto, or unset it"
+        )
+    return value or None
+
+
 class _Gemm:
-    mode = "auto"  # process-wide, as torch.backends flags are: set once from the config at start-up
+    mode: str | None = None  # process-wide, as torch.backends flags are: set once at start-up
     rules: tuple[bool, bool] | None = None  # (onednn_faster, bf16_widens) for this processor
 
 
@@ -180,7 +197,15 @@ def set_cpu_gemm(mode: str) -> None:
     """Choose the kernels of training GEMMs on the CPU for this process (``CPU_GEMM_MODES``)."""
     if mode not in CPU_GEMM_MODES:
         raise ValueError(f"cpu_gemm must be one of {CPU_GEMM_MODES}, not {mode!r}")
-    _GEMM.mode = mode
+    _GEMM.mode = (forced_cpu_gemm() or mode) if mode == "auto" else mode
+
+
+def _mode() -> str:
+    """The mode set for this process; ``auto`` (or ``$TPE_CPU_GEMM``) where none was set."""
+    if _GEMM.mode is None:
+        set_cpu_gemm("auto")
+    assert _GEMM.mode is not None
+    return _GEMM.mode
 
 
 def cpu_rules() -> tuple[bool, bool]:
@@ -204,7 +229,8 @@ def cpu_rules() -> tuple[bool, bool]:
 def onednn_chosen() -> bool:
     """Whether fp32 products on this CPU go to oneDNN: ``train.cpu_gemm=onednn``, or ``auto`` where
     the rule says oneDNN is faster."""
-    return _GEMM.mode == "onednn" or (_GEMM.mode == "auto" and cpu_rules()[0])
+    mode = _mode()
+    return mode == "onednn" or (mode == "auto" and cpu_rules()[0])
 
 
 def _cpu_vendor() -> str:
@@ -221,9 +247,10 @@ def _cpu_vendor() -> str:
 
 def _cpu_plan(x: Tensor, weight: Tensor) -> tuple[bool, bool] | None:
     """(through oneDNN, widened from bf16) for ``linear`` on these operands; None: ``F.linear``."""
-    forced = _GEMM.mode == "onednn"
+    mode = _mode()
+    forced = mode == "onednn"
     if (
-        _GEMM.mode == "default"
+        mode == "default"
         or x.device.type != "cpu"
         or weight.dim() != 2
         or x.dim() < 2

@@ -26,8 +26,11 @@ from pathlib import Path
 from typing import NoReturn
 
 from tpe_train.run import logs
+from tpe_train.run.exits import EXIT_PREEMPTED
 from tpe_train.run.lock import RunDirBusy, RunLock
-from tpe_train.study.grid import ENCODINGS, Study, StudyError, parse_seeds, parse_setting
+from tpe_train.run.members import MemberError
+from tpe_train.run.outputs import OutputRefused
+from tpe_train.study.terms import ENCODINGS, StudyError
 
 log = logging.getLogger(__name__)
 
@@ -136,11 +139,13 @@ def archive_parser() -> argparse.ArgumentParser:
 
 
 def cmd_archive(argv: list[str]) -> int:
+    args = archive_parser().parse_args(argv)
+    # torch and the rest: after the arguments parse
     from tpe_train.study.archive import archive, check_dest
+    from tpe_train.study.grid import Study
     from tpe_train.study.report import write_report
     from tpe_train.study.results import kept_references
 
-    args = archive_parser().parse_args(argv)
     source = Study.load(Path(args.study_dir))
     check_dest(source.root, Path(args.dest), not args.no_report)  # before the report is written
     if not args.no_report:
@@ -155,9 +160,11 @@ def cmd_archive(argv: list[str]) -> int:
 
 
 def cmd_run(argv: list[str]) -> int:
+    args = run_parser().parse_intermixed_args(argv)
+    # torch and the rest: after the arguments parse
+    from tpe_train.study.grid import Study, parse_seeds, parse_setting
     from tpe_train.study.runner import run_local, submit_slurm
 
-    args = run_parser().parse_intermixed_args(argv)
     settings = [s.strip() for s in args.encodings.split(",") if s.strip()]
     for name in settings:
         parse_setting(name)
@@ -213,9 +220,11 @@ def _own(out: Path) -> RunLock:
 
 
 def cmd_report(argv: list[str]) -> int:
+    args = report_parser().parse_args(argv)
+    # torch and the rest: after the arguments parse
+    from tpe_train.study.grid import Study
     from tpe_train.study.report import write_report
 
-    args = report_parser().parse_args(argv)
     study = Study.load(Path(args.study_dir))
     if args.include or args.out:
         from tpe_train.study.combine import combine
@@ -302,13 +311,15 @@ def extrapolate_parser() -> argparse.ArgumentParser:
 
 
 def cmd_extrapolate(argv: list[str]) -> int:
+    args = extrapolate_parser().parse_args(argv)
+    # torch and the rest: after the arguments parse
     from tpe_train.evaluation.decoding import device_from_arg
     from tpe_train.study import extrapolate as ex
+    from tpe_train.study.grid import Study
     from tpe_train.study.position_methods import methods_of, parse_list
     from tpe_train.study.report import EXTRAPOLATION_REPORT, check_report_dir, write_extrapolation_report
     from tpe_train.study.results import config_cap
 
-    args = extrapolate_parser().parse_args(argv)
     if (args.study_dir is None) == (not args.checkpoint):
         raise StudyError("give a study directory or --checkpoint PATH (repeatable), one of the two")
     if args.label and not args.checkpoint:
@@ -357,8 +368,6 @@ COMMANDS = {"run": cmd_run, "report": cmd_report, "archive": cmd_archive, "extra
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``tpe-study``."""
-    from tpe_train.config import ConfigError
-
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help"):
         print(__doc__)
@@ -369,22 +378,29 @@ def main(argv: list[str] | None = None) -> int:
         log.error("unknown command %r; use one of %s", argv[0], ", ".join(COMMANDS))
         return 2
     logs.configure(f"tpe-study {argv[0]}")
-    from tpe_train.run.exits import EXIT_PREEMPTED
-    from tpe_train.run.members import MemberError
-    from tpe_train.run.outputs import OutputRefused
-    from tpe_train.study.runner import StudyPreempted
-
     try:
         return command(argv[1:])
-    except StudyPreempted as err:
+    except _loaded("tpe_train.study.runner", "StudyPreempted") as err:
         log.warning("%s", err)
         return EXIT_PREEMPTED
     except KeyboardInterrupt:
         log.warning("interrupted; the same command resumes the study")
         return 130
-    except (StudyError, ConfigError, RunDirBusy, OutputRefused, MemberError) as err:  # Member: eval.json
-        log.error("%s", err)
+    except _bad_input() as err:
+        log.error("%s", err)  # MemberError: a damaged eval.json
         return 2
+
+
+def _bad_input() -> tuple[type[BaseException], ...]:
+    """What stops a command with exit status 2 and one line: bad input, a busy or refused output."""
+    return (StudyError, RunDirBusy, OutputRefused, MemberError, *_loaded("tpe_train.config", "ConfigError"))
+
+
+def _loaded(module: str, name: str) -> tuple[type[BaseException], ...]:
+    """The error class ``module.name`` where that module is loaded, else none: a module not imported
+    raised nothing, and importing the config (torch) only to name its error would cost ``--help`` 2 s."""
+    found = sys.modules.get(module)
+    return (getattr(found, name),) if found is not None else ()
 
 
 if __name__ == "__main__":

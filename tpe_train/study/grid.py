@@ -34,9 +34,10 @@ from tpe_train.config import Config, ConfigError, load_config
 from tpe_train.evaluation.evaluate import EvalFiles
 from tpe_train.positions import POSITIONS
 from tpe_train.run import atomic
+from tpe_train.study.terms import ENCODINGS as ENCODINGS
+from tpe_train.study.terms import StudyError as StudyError
 
 #: The encodings in the order of the README's table; the default grid of ``tpe-study run``.
-ENCODINGS = ("none", "sinusoidal", "learned", "shaw", "t5", "rope", "alibi")
 VARIANTS = {"": "positions in encoder and decoder", "noenc": "no positions in the encoder",
             "nodec": "no positions in the decoder"}  # fmt: skip
 #: Overrides the study sets itself for every run; a user override of one of them is refused.
@@ -46,10 +47,6 @@ STUDY_KEYS = ("model.position.kind", "model.position.encoder", "model.position.d
 AUGMENT_KEY = "model.position.augment"
 MANIFEST = "study.json"
 RUN_LOG = "study.log"  # in each run directory: the run's output, between start and exit stamps
-
-
-class StudyError(ValueError):
-    """Bad input to the study, with a message that says what to change."""
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,9 @@
 """``tpe-train [--preset P] [--quiet | --verbose] [key=value ...]`` and ``python -m tpe_train.train``:
 load the config, set up logging once (``run.logs``), run the loop (``loop.run``), turn what stops a run
-into an exit status (0 done, 2 bad config, data or checkpoint, 75 preempted with its checkpoint saved)."""
+into an exit status (0 done, 2 bad config, data or checkpoint, 75 preempted with its checkpoint saved).
+
+Only the standard library and ``run`` are imported before the arguments are parsed: ``--help`` and a
+wrong option answer without loading torch (docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -8,14 +11,10 @@ import argparse
 import os
 import sys
 
-from tpe_train.ckpt.store import CheckpointError
-from tpe_train.config import ConfigError, load_config
-from tpe_train.data.sources import CorpusError
 from tpe_train.run import logs
 from tpe_train.run.exits import EXIT_BAD_INPUT, EXIT_PREEMPTED, end_process, preempted_exit
 from tpe_train.run.lock import RunDirBusy
 from tpe_train.run.members import MemberError
-from tpe_train.train.loop import Preempted, run
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -37,6 +36,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     """Entry point of ``tpe-train`` and ``python -m tpe_train.train``."""
     args = parse_args(argv)
+    from tpe_train.ckpt.store import CheckpointError  # torch and the rest: after the arguments parse
+    from tpe_train.config import ConfigError, load_config
+    from tpe_train.data.sources import CorpusError
+    from tpe_train.train.loop import Preempted, run
+
     # rank 0: progress on stdout, warnings on stderr; other ranks: warnings and errors, with their rank
     logs.configure("tpe-train", verbosity=logs.verbosity(args.quiet, args.verbose))
     main_rank = os.environ.get("RANK", "0") == "0"  # every rank finds the error; one reports it

@@ -9,6 +9,7 @@ import os
 
 import torch
 
+from tpe_train.config import ConfigError
 from tpe_train.model.kernels import set_cpu_gemm
 
 log = logging.getLogger(__name__)
@@ -22,7 +23,10 @@ def configure_cpu(cpu_gemm: str, device: torch.device) -> None:
     logits to bf16 took 62 ms into a new tensor and 14 ms into a reused one, and a training step of
     the benchmark's shape 5% (fp32) to 15% (bf16) less CPU time with the setting. This is what
     PyTorch's CPU tuning guides get from jemalloc or tcmalloc."""
-    set_cpu_gemm(cpu_gemm)
+    try:
+        set_cpu_gemm(cpu_gemm)
+    except ValueError as err:  # $TPE_CPU_GEMM names no mode
+        raise ConfigError(str(err)) from None
     if device.type == "cpu":
         keep_freed_memory()
 
