@@ -94,6 +94,11 @@ ERRORS = [
     (["train.max_steps=9223372036854775808"], "train.max_steps: Input should be less than or equal to"),
     (["train.max_steps=" + "9" * 5000], "cannot read the overrides"),
     (["train.run_dir=\x01"], "cannot read the overrides"),
+    (
+        ["eval.length_buckets={}"],
+        "override of eval.length_buckets gives a mapping where the preset has a list",
+    ),
+    (["model=[1]"], "override of model gives a list where the preset has a mapping"),
     (["parallel.tp_size=0"], "parallel.tp_size takes a whole number >= 1, or empty"),
     (["data.max_tokens=8"], "data.max_tokens=8 cannot hold a pair"),
     (["model.position.kind=[rope]"], "model.position.kind takes one of none, sinusoidal"),

@@ -53,10 +53,40 @@ def _read_preset(preset: str, seen: tuple[str, ...] = ()) -> dict[str, Any]:
 
 
 def _merge(low: dict[str, Any], high: dict[str, Any]) -> dict[str, Any]:
-    merged = OmegaConf.merge(OmegaConf.create(low), OmegaConf.create(high))
+    try:
+        merged = OmegaConf.merge(OmegaConf.create(low), OmegaConf.create(high))
+    except (OmegaConfBaseException, TypeError, ValueError):  # a mapping over a list, or the reverse
+        key, was, given = _clash(low, high) or ("?", "another kind of value", "this one")
+        raise ConfigError(
+            f"the override of {key} gives {given} where the preset has {was}; give {was} (e.g. a list "
+            "as [10,20], a section as its dotted keys: model.position.kind=rope)"
+        ) from None
     out = OmegaConf.to_container(merged)
     assert isinstance(out, dict)
     return out  # type: ignore[return-value]
+
+
+def _kind(value: Any) -> str:
+    return (
+        "a mapping" if isinstance(value, dict) else "a list" if isinstance(value, list) else "a single value"
+    )
+
+
+def _clash(low: Any, high: Any, prefix: str = "") -> tuple[str, str, str] | None:
+    """The first dotted key where ``high`` puts a mapping, a list or a single value over another kind
+    in ``low``: (key, low's kind, high's kind)."""
+    if not (isinstance(low, dict) and isinstance(high, dict)):
+        return None
+    for key, value in high.items():
+        name = f"{prefix}{key}"
+        was = low.get(key)
+        containers = isinstance(was, dict | list) or isinstance(value, dict | list)
+        if was is not None and value is not None and containers and _kind(was) != _kind(value):
+            return name, _kind(was), _kind(value)
+        found = _clash(low.get(key), value, f"{name}.")
+        if found:
+            return found
+    return None
 
 
 def parse_overrides(overrides: list[str]) -> dict[str, Any]:
