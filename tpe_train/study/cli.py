@@ -9,9 +9,10 @@
     tpe-study extrapolate DIR [--methods rope-yarn,alibi-slope] [--factors 2,4] [--concat 2,3]
     tpe-study extrapolate --checkpoint A --checkpoint B ...     # test-time position methods, no training
 
-Settings: <kind> (none, sinusoidal, learned, shaw, t5, rope, alibi), <kind>-noenc (no position
-information in the encoder only), <kind>-nodec (none in the decoder only). Bad input stops with one
-paragraph on stderr and exit code 2 before any work; a failed run makes the exit code 1; a preempted
+Settings: <kind> (any registered encoding; the default grid is the seven older ones), <kind>-noenc (no
+position information in the encoder only), <kind>-nodec (none in the decoder only), <kind>+<augment>
+(trained with a position augmentation, e.g. learned+randomized). Bad input stops with one paragraph on
+stderr and exit code 2 before any work; a failed run makes the exit code 1; a preempted
 run stops the study with 75 (run the same command again to resume).
 """
 
@@ -53,7 +54,8 @@ def run_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--encodings",
         default=",".join(ENCODINGS),
-        help="comma-separated settings: <kind>, <kind>-noenc, <kind>-nodec (default: the seven kinds)",
+        help="comma-separated settings: <kind>, <kind>-noenc, <kind>-nodec, <kind>+<augment> such as "
+        "sinusoidal+shape (default: the seven older kinds)",
     )
     p.add_argument(
         "--seeds",
