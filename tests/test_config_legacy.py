@@ -15,11 +15,12 @@ from tpe_train.config import legacy, load_config, validate
 
 
 def older_checkpoint(tmp_path: Path, kind: str, **position: object) -> Path:
-    """A checkpoint folder whose config.yaml was written before cope_divide and randomized_per_layer."""
+    """A checkpoint folder whose config.yaml was written before cope_divide, randomized_per_layer and
+    randomized_test."""
     overrides = [f"model.position.kind={kind}", *(f"model.position.{k}={v}" for k, v in position.items())]
     cfg = load_config("demo", overrides)
     data = cfg.model_dump(mode="json")
-    for key in ("cope_divide", "randomized_per_layer"):
+    for key in ("cope_divide", "randomized_per_layer", "randomized_test"):
         del data["model"]["position"][key]
     folder = tmp_path / kind / "step-00000010"
     folder.mkdir(parents=True)
@@ -34,6 +35,7 @@ def test_an_absent_key_means_the_behaviour_of_the_code_that_wrote_it(tmp_path: P
     assert validate(saved).model.position.cope_divide is True  # unfilled, the default would change it
     filled = validate(legacy.fill(saved)).model.position
     assert filled.cope_divide is False and filled.randomized_per_layer is False
+    assert filled.randomized_test is False
     assert "cope_divide" not in saved["model"]["position"]  # fill copies
 
 

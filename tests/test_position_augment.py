@@ -1,5 +1,6 @@
 """Training-time position augmentation (SHAPE, CAPE, randomized positions): the draws follow their
-distributions in training, and evaluation and decoding see exactly the positions of no augmentation."""
+distributions in training, and evaluation and decoding see exactly the positions of no augmentation
+(randomized positions drawn at test time too: tests/test_position_randomized_test.py)."""
 
 from __future__ import annotations
 
@@ -43,9 +44,9 @@ def pos_args(**kw: object) -> PositionArgs:
     return PositionArgs(d_model=32, n_heads=4, causal=False, max_positions=64, **kw)  # type: ignore[arg-type]
 
 
-def model(kind: str, augment: str) -> Transformer:
+def model(kind: str, augment: str, **kw: object) -> Transformer:
     torch.manual_seed(0)
-    return tiny_model(kind, position=pos_args(augment=augment, **PARAMS))
+    return tiny_model(kind, position=pos_args(augment=augment, **PARAMS, **kw))
 
 
 def batch() -> tuple[Tensor, Tensor]:
@@ -60,7 +61,9 @@ def chi_square(counts: Tensor) -> float:
 
 @pytest.mark.parametrize(("kind", "augment"), PAIRS)
 def test_evaluation_and_decoding_are_exactly_unaugmented(kind: str, augment: str) -> None:
-    plain, augmented = model(kind, "none"), model(kind, augment)
+    """randomized with randomized_test=false (the default draws at test time too:
+    tests/test_position_randomized_test.py)."""
+    plain, augmented = model(kind, "none"), model(kind, augment, randomized_test=False)
     augmented.load_state_dict(plain.state_dict())
     src, tgt = batch()
     augmented.train()

@@ -82,6 +82,7 @@ from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.data.tokenizer import BOS, EOS, PAD, UNK
 from tpe_train.model.generate import length_penalty, max_lengths
 from tpe_train.model.transformer import Layer, Stack, Transformer
+from tpe_train.positions import augment
 from tpe_train.positions.absolute import sinusoid_table
 from tpe_train.positions.relative import alibi_slopes
 from tpe_train.run.outputs import written_directory
@@ -134,6 +135,10 @@ def check_exportable(model: Transformer, tok: Tokenizer, quantization: str) -> N
             "encoder-decoder attention takes no position term (only self-attention has relative "
             "keys, biases, rotary embeddings or ALiBi); only models with cross=none export"
         )
+    pa = a.position_args(causal=False)
+    drawn = augment.export_refusal(pa.augment, pa.randomized_test, "CTranslate2")
+    if drawn is not None:
+        raise CheckpointError(drawn)
     for side, kind in (("encoder", a.encoder_position), ("decoder", a.decoder_position)):
         if kind in UNREPRESENTED:
             raise CheckpointError(

@@ -68,6 +68,7 @@ from tpe_train.data.tokenizer import BOS, EOS, PAD, UNK, vocab_hash
 from tpe_train.model.args import ModelArgs
 from tpe_train.model.generate import max_lengths
 from tpe_train.model.transformer import Transformer
+from tpe_train.positions import augment
 from tpe_train.run.outputs import written_directory
 
 #: What ``tpe-ckpt export --format hf`` writes besides ``transformers``' own files: provenance.
@@ -105,6 +106,10 @@ def hf_target(args: ModelArgs) -> Target:
             f"cross-attention {cross}): the exportable models use one encoding in both stacks and none in "
             "cross-attention; export it as --format native"
         )
+    pa = args.position_args(causal=False)
+    drawn = augment.export_refusal(pa.augment, pa.randomized_test, "transformers")
+    if drawn is not None:
+        raise CheckpointError(drawn)
     refusal = export_refusal(enc, "transformers", "a sinusoid or a learned absolute table")
     if enc not in ("sinusoidal", "learned", "none") and refusal is not None:
         raise CheckpointError(refusal)

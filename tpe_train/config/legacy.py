@@ -26,6 +26,10 @@ ADDED: dict[tuple[tuple[str, ...], str], tuple[Any, Callable[[dict[str, Any]], b
         False,
         lambda p: p.get("augment") == "randomized" and p.get("kind") == "rope",
     ),
+    (("model", "position"), "randomized_test"): (
+        False,
+        lambda p: p.get("augment") == "randomized",
+    ),
 }
 
 

@@ -31,7 +31,7 @@ MODEL_FIELDS = ("d_model", "n_heads", "ffn_dim", "encoder_layers", "decoder_laye
 POSITION_FIELDS = ("max_positions", "shaw_clip", "shaw_values", "t5_buckets", "t5_max_distance", "rope_base",
                    "sandwich_dim", "fire_width", "fire_threshold", "xpos_scale_base", "cope_positions",
                    "cope_divide", "augment", "augment_max_shift", "cape_shift", "cape_jitter", "cape_scale",
-                   "randomized_range", "randomized_per_layer")  # fmt: skip
+                   "randomized_range", "randomized_per_layer", "randomized_test")  # fmt: skip
 
 #: The built-in encodings (an installed package may register more: docs/positions.md).
 _TAKES = "one of " + ", ".join(POSITIONS.names())
@@ -67,10 +67,11 @@ class PositionConfig(Section):
     """rope, xpos: frequency base theta."""
     augment: Literal["none", "shape", "cape", "randomized"] = POSITION_DEFAULTS["augment"]
     """Training-time position augmentation of the encoder's and decoder's self-attention encoding
-    (sinusoidal, learned, rope; evaluation and decoding keep positions 0, 1, 2, ...). shape: one random
-    offset per sequence (Kiyono et al. 2021); cape: shift, jitter and scale to real positions
-    (Likhomanenko et al. 2021; sinusoidal and rope only); randomized: sorted distinct positions drawn
-    from a larger range (Ruoss et al. 2023). docs/positions.md, "Position augmentation"."""
+    (sinusoidal, learned, rope; evaluation and decoding keep positions 0, 1, 2, ..., except as
+    randomized_test says). shape: one random offset per sequence (Kiyono et al. 2021); cape: shift,
+    jitter and scale to real positions (Likhomanenko et al. 2021; sinusoidal and rope only);
+    randomized: sorted distinct positions drawn from a larger range (Ruoss et al. 2023).
+    docs/positions.md, "Position augmentation"."""
     augment_max_shift: Int = Field(POSITION_DEFAULTS["augment_max_shift"], ge=1)
     """shape: the largest offset K; each sequence's offset is uniform over 0..K (learned: the table
     needs max_positions >= data.max_len + 1 + K)."""
@@ -88,6 +89,12 @@ class PositionConfig(Section):
     """randomized on rope: draw the positions afresh in every attention layer, as the reference's RoPE
     does (false: one draw per stack and batch, shared by the layers, as sinusoidal and learned add
     theirs once)."""
+    randomized_test: Bool = POSITION_DEFAULTS["randomized_test"]
+    """randomized: draw self-attention's positions at test time too, as the reference's model does
+    whenever it runs (one sorted draw per batch and stack; in decoding, the decoder's drawn for the
+    source's length and continued above it). Evaluation restarts the draws from a fixed seed, so it is
+    repeatable. false: evaluation and decoding use positions 0, 1, 2, ..., which training never
+    showed the model."""
     sandwich_dim: Int = Field(POSITION_DEFAULTS["sandwich_dim"], ge=2)
     """sandwich: d', the width of the sinusoidal embeddings whose inner product is the bias (even)."""
     fire_width: Int = Field(POSITION_DEFAULTS["fire_width"], ge=1)

@@ -296,12 +296,12 @@ def _write(path: Path, lines: list[str]) -> None:
 # Tables
 
 
-def format_table(figures: dict[str, Any]) -> str:
-    """A short human-readable table of one set's figures."""
+def format_table(figures: dict[str, Any], name: str = "test") -> str:
+    """A short human-readable table of the figures of one set, ``name``."""
     rows = [
-        ("BLEU (test)", f"{figures['bleu']:.2f}"),
-        ("chrF (test)", f"{figures['chrf']:.2f}"),
-        ("exact match (test)", f"{100 * figures['exact_match']:.1f}%"),
+        (f"BLEU ({name})", f"{figures['bleu']:.2f}"),
+        (f"chrF ({name})", f"{figures['chrf']:.2f}"),
+        (f"exact match ({name})", f"{100 * figures['exact_match']:.1f}%"),
         (
             "word-order probe accuracy",
             "n/a (no probes in this corpus)"
@@ -326,9 +326,10 @@ def format_table(figures: dict[str, Any]) -> str:
 def format_evaluation(evaluation: Evaluation) -> str:
     """One table per set (a heading per set when there are several)."""
     if len(evaluation.sets) == 1:
-        return format_table(evaluation.sets[0].figures)
+        only = evaluation.sets[0]
+        return format_table(only.figures, only.name)
     return "\n\n".join(
-        f"== {r.name} ({r.figures['test_sentences']} sentences)\n{format_table(r.figures)}"
+        f"== {r.name} ({r.figures['test_sentences']} sentences)\n{format_table(r.figures, r.name)}"
         for r in evaluation.sets
     )
 

@@ -113,8 +113,8 @@ class Ensemble(nn.Module):
     def encode(self, src: Tensor) -> EnsembleMemory:
         return EnsembleMemory([m.encode(src) for m in self.models])
 
-    def new_cache(self) -> EnsembleCache:
-        return EnsembleCache([m.new_cache() for m in self.models])
+    def new_cache(self, source_length: int = 0, limit: int = 0) -> EnsembleCache:
+        return EnsembleCache([m.new_cache(source_length, limit) for m in self.models])
 
     def _logits(self, tokens: Tensor, memory: EnsembleMemory, cache: EnsembleCache) -> list[Tensor]:
         return [

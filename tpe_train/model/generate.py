@@ -40,7 +40,7 @@ def greedy(
     memory = model.encode(src)
     limit = _max_lengths(model, src, max_len_a, max_len_b)
     batch = src.shape[0]
-    cache = model.new_cache()
+    cache = model.new_cache(src.shape[1], int(limit.max()))
     token = torch.full((batch, 1), args.bos_id, dtype=torch.long, device=src.device)
     out: list[list[int]] = [[] for _ in range(batch)]
     done = torch.zeros(batch, dtype=torch.bool, device=src.device)
@@ -92,7 +92,7 @@ def beam_search_nbest(
     limit = _max_lengths(model, src, max_len_a, max_len_b)
     memory = model.encode(src)
     memory.group = beam  # every sentence's memory serves its K beams, without K copies
-    cache = model.new_cache()
+    cache = model.new_cache(src.shape[1], int(limit.max()))
     alive = list(range(src.shape[0]))  # the sentences still decoding; row i of the batch is alive[i]
     scores = torch.zeros(len(alive), beam, device=device)
     scores[:, 1:] = float("-inf")  # all beams start identical: expand only the first

@@ -175,10 +175,13 @@ class DecoderCache:
 
     layers: list[dict[str, KVCache]] = field(default_factory=list)
     offset: int = 0
+    #: the decoder self-attention's positions for every step (drawn before the first: randomized
+    #: positions at test time), or None: 0, 1, 2, ...
+    positions: Tensor | None = None
 
     @classmethod
-    def empty(cls, n_layers: int) -> DecoderCache:
-        return cls([{"self": KVCache(), "cross": KVCache()} for _ in range(n_layers)], 0)
+    def empty(cls, n_layers: int, positions: Tensor | None = None) -> DecoderCache:
+        return cls([{"self": KVCache(), "cross": KVCache()} for _ in range(n_layers)], 0, positions)
 
     def reorder(self, index: Tensor) -> None:
         """Keep rows ``index`` of the batch (beam search).
@@ -254,10 +257,11 @@ class Transformer(nn.Module):
     def encode(self, src: Tensor) -> Memory:
         """src: (B, Ls) token ids, right-padded."""
         _check_length(src.shape[1], self.max_source_length(), "source")
-        positions = torch.arange(src.shape[1], device=src.device)
+        positions = torch.arange(src.shape[1], device=src.device)  # cross-attention's keys
         keep = (src != self.args.pad_id)[:, None, None, :]  # (B, 1, 1, Ls)
         x = self.embed(src) * self.embed_scale
-        return Memory(self.encoder(x, Mask(positions, positions, keep)), keep, positions)
+        own = self.encoder.pos(0).test_positions(positions)  # self-attention's (drawn at test: randomized)
+        return Memory(self.encoder(x, Mask(own, own, keep)), keep, positions)
 
     def decode(self, tgt_in: Tensor, memory: Memory, cache: DecoderCache | None = None) -> Tensor:
         """tgt_in: (B, Lt) decoder input ids (BOS-prefixed) -> logits (B, Lt, V).
@@ -273,10 +277,22 @@ class Transformer(nn.Module):
         _check_length(end, self.max_target_length(), "target")
         positions = torch.arange(offset, end, device=tgt_in.device)
         keys = torch.arange(end, device=tgt_in.device) if offset else positions  # cached prefix + new
+        if cache is not None and cache.positions is not None:  # drawn before the first step
+            drawn = cache.positions
+            if end > drawn.shape[0]:
+                raise ValueError(
+                    f"decoding step {end} is past the {drawn.shape[0]} positions drawn for this search; "
+                    "make the cache with new_cache(source_length, limit) for the search's step limit"
+                )
+            own_q, own_k = drawn[offset:end], drawn[:end]
+        elif cache is None:
+            own_q = own_k = self.decoder.pos(0).test_positions(positions)
+        else:
+            own_q, own_k = positions, keys
         x = self.embed(tgt_in) * self.embed_scale
         h = self.decoder(
             x,
-            Mask(positions, keys, causal=True),
+            Mask(own_q, own_k, causal=True),
             memory,
             Mask(positions, memory.positions, memory.keep, group=memory.group),
             cache.layers if cache is not None else None,
@@ -295,8 +311,11 @@ class Transformer(nn.Module):
             return self.decode(tgt_in, self.encode(src))
         return head(self.decoder_states(tgt_in, self.encode(src)), self.embed.weight)
 
-    def new_cache(self) -> DecoderCache:
-        return DecoderCache.empty(len(self.decoder.layers))
+    def new_cache(self, source_length: int = 0, limit: int = 0) -> DecoderCache:
+        """An empty cache for decoding up to ``limit`` steps from sources of ``source_length`` tokens
+        (both used only where the decoder draws its positions at test time: randomized positions)."""
+        drawn = self.decoder.pos(0).decode_positions(source_length, limit, self.embed.weight.device)
+        return DecoderCache.empty(len(self.decoder.layers), drawn)
 
     def compile_layers(self, **options: Any) -> None:
         """Regional compilation of the training step: every encoder and decoder layer's forward

@@ -32,19 +32,26 @@ attention then computes its weights explicitly (an instance may turn ``needs_wei
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, TypeVar
 
 import torch
 from torch import Tensor, nn
 
-from tpe_train.positions.augment import AUGMENTS, augment_positions
+from tpe_train.positions.augment import AUGMENTS, TEST_SEED, augment_positions, decode_draw, eval_draw
 from tpe_train.positions.registry import Registry
 
 #: FlexAttention's score_mod: (score, batch, head, q_idx, kv_idx) -> modified score (0-d tensors)
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
 
 T = TypeVar("T")
+
+
+#: what ``randomized_test``, the test-time setting of an encoding that takes ``randomized``, does
+RANDOMIZED_TEST_SETTING = (
+    "true: draw self-attention's positions at test time as in training (trained with "
+    "model.position.augment=randomized); false: positions 0, 1, 2, ..."
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,6 +74,7 @@ class PositionArgs:
     cape_scale: float = 1.03  # cape: scale, log-uniform in [1/s, s]
     randomized_range: int = 1024  # randomized: positions drawn from {0..R-1}
     randomized_per_layer: bool = True  # randomized on rope: a fresh draw in every layer (the reference's)
+    randomized_test: bool = True  # randomized: self-attention's positions drawn at test time too (reference)
     sandwich_dim: int = 128  # Sandwich: d', the width of the sinusoidal embeddings whose product is the bias
     fire_width: int = 32  # FIRE: hidden units of the MLP f
     fire_threshold: float = 512.0  # FIRE: initial L of the normaliser psi(max(L, i))
@@ -156,6 +164,46 @@ class PositionEncoding(nn.Module):
             randomized_range=a.randomized_range,
         )
 
+    def train(self, mode: bool = True) -> PositionEncoding:
+        """As ``nn.Module.train``; entering evaluation also restarts the generator of the test-time
+        draws (``randomized_test``), so every evaluation draws the same positions."""
+        if not mode:
+            self.__dict__.pop("_test_gen", None)
+        return super().train(mode)
+
+    def draws_at_test(self) -> bool:
+        """Whether self-attention's positions are drawn in evaluation and decoding: ``randomized``
+        with ``randomized_test``, for an encoding that takes it, out of training."""
+        a = self.args
+        return (
+            not self.training
+            and a.augment == "randomized"
+            and a.randomized_test
+            and a.augment in self.augments
+        )
+
+    def _test_generator(self) -> torch.Generator:
+        gen: torch.Generator | None = self.__dict__.get("_test_gen")
+        if gen is None:
+            gen = torch.Generator().manual_seed(TEST_SEED + int(self.args.causal))
+            self.__dict__["_test_gen"] = gen
+        return gen
+
+    def test_positions(self, pos: Tensor) -> Tensor:
+        """Self-attention's positions for a batch whose (L,) positions are ``pos`` (0..L-1): ``pos``
+        itself, or where ``draws_at_test`` a sorted draw of L from 0..R-1 shared by the batch."""
+        if not self.draws_at_test():
+            return pos
+        return eval_draw(pos.shape[0], self.args.randomized_range, self._test_generator()).to(pos.device)
+
+    def decode_positions(self, expected: int, limit: int, device: torch.device) -> Tensor | None:
+        """The decoder's self-attention positions (limit,) for incremental decoding of up to ``limit``
+        steps from a source of ``expected`` tokens, or None (0, 1, 2, ...): where ``draws_at_test``,
+        ``augment.decode_draw``."""
+        if not self.draws_at_test():
+            return None
+        return decode_draw(expected, limit, self.args.randomized_range, self._test_generator()).to(device)
+
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
         """x: (B, L, D) scaled token embeddings; pos: (L,) -> (B, L, D)."""
         return x
@@ -237,13 +285,22 @@ class PositionEncoding(nn.Module):
         """Change this encoding of a trained model at test time, without new parameters in its state
         dict (length extrapolation: RoPE scaling, ALiBi slope scale, T5 buckets, learned interpolation).
         Values are given as text and read by the encoding; an unknown name raises a ValueError naming
-        the valid ones. The identity setting (factor 1) leaves outputs bitwise unchanged."""
-        unknown = sorted(set(settings) - set(self.settings))
+        the valid ones. The identity setting (factor 1) leaves outputs bitwise unchanged. An encoding
+        trained with ``randomized`` also takes ``randomized_test=true|false`` (``draws_at_test``)."""
+        known = dict(self.settings)
+        if self.args.augment == "randomized" and "randomized" in self.augments:
+            known["randomized_test"] = RANDOMIZED_TEST_SETTING
+        unknown = sorted(set(settings) - set(known))
         if unknown:
-            valid = ", ".join(sorted(self.settings)) or "none"
+            valid = ", ".join(sorted(known)) or "none"
             raise ValueError(
                 f"{type(self).__name__} has no test-time setting {', '.join(unknown)} (valid: {valid})"
             )
+        if "randomized_test" in settings:
+            value = settings["randomized_test"].lower()
+            if value not in ("true", "false"):
+                raise ValueError(f"position setting randomized_test={value!r}: give true or false")
+            self.args = replace(self.args, randomized_test=value == "true")
         self.__dict__.pop("_memo", None)  # terms built before the change are stale
 
     @staticmethod
