@@ -136,6 +136,14 @@ def test_the_default_grid_is_every_applicable_method_x_factor_x_set(study: Study
     cfg.model.position.t5_max_distance = 96
     assert Method("t5-distance-x2", "t5-distance", 2.0).items(cfg) == ["t5.max_distance=192"]
     assert Method("alibi-slope-x4", "alibi-slope", 4.0).items(cfg) == ["alibi.slope_scale=0.25"]
+    for kind in ("kerple_log", "kerple_power", "sandwich"):
+        assert Method("d", f"{kind}-distance", 2.0).items(cfg) == [f"{kind}.distance_scale=2"]
+    assert Method("x", "xpos-yarn", 4.0, original=32).items(cfg) == [
+        "xpos.scaling=yarn", "xpos.factor=4", "xpos.original=32"
+    ]  # fmt: skip
+    assert Method("x", "xpos-ntk", 2.0, side="decoder").items(cfg) == [
+        "side=decoder", "xpos.scaling=ntk", "xpos.factor=2"
+    ]  # fmt: skip
 
 
 def test_the_baseline_is_plain_tpe_eval_of_the_same_checkpoint(

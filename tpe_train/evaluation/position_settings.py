@@ -57,12 +57,14 @@ def side_encodings(model: Transformer, side: str) -> list[PositionEncoding]:
 def apply_position_settings(model: Transformer, items: list[str], original: int | None = None) -> list[str]:
     """Apply ``--position`` items to a loaded model; returns one line per side changed.
 
-    ``original``: the trained context length, YaRN's ``rope.original`` unless given (the commands pass
-    the config's data.max_len + 1). Settings of an encoding the chosen sides do not use are an error.
+    ``original``: the trained context length, YaRN's ``rope.original`` (``xpos.original``) unless
+    given (the commands pass the config's data.max_len + 1). Settings of an encoding the chosen sides
+    do not use are an error.
     """
     sides, settings = parse_position_settings(items)
-    if "rope" in settings and settings["rope"].get("scaling") == "yarn" and original is not None:
-        settings["rope"].setdefault("original", str(original))
+    for rotary in ("rope", "xpos"):
+        if rotary in settings and settings[rotary].get("scaling") == "yarn" and original is not None:
+            settings[rotary].setdefault("original", str(original))
     found = {side: side_encodings(model, side) for side in sides}
     done = []
     for kind, values in settings.items():

@@ -285,7 +285,8 @@ def extrapolate_parser() -> argparse.ArgumentParser:
         "--yarn-original",
         type=int,
         default=None,
-        help="YaRN's trained context in tokens (rope.original; default data.max_len + 1, as tpe-eval): give "
+        help="YaRN's trained context in tokens (rope.original, xpos.original; default data.max_len + 1, as "
+        "tpe-eval): give "
         "the longest training sequence when training used shorter sentences than data.max_len",
     )
     p.add_argument(

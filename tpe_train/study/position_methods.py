@@ -30,6 +30,22 @@ def _number(x: float) -> str:
     return f"{x:g}" if float(x).is_integer() or len(f"{x:g}") < 8 else repr(float(x))
 
 
+def _distance(kind: str) -> Family:
+    def items(s: float, cfg: Config) -> list[str]:
+        return [f"{kind}.distance_scale={_number(s)}"]
+
+    why = f"{kind}'s trained bias read at distance |i-j| / s (a distance s*d gets the trained bias of d)"
+    return Family(kind, why, items)
+
+
+def _xpos(scaling: str) -> Family:
+    def items(s: float, cfg: Config) -> list[str]:
+        return [f"xpos.scaling={scaling}", f"xpos.factor={_number(s)}"]
+
+    why = f"xPos with RoPE's {scaling} scaling of its rotation by s (as rope-{scaling})"
+    return Family("xpos", why, items)
+
+
 #: The built-in families, by name; each turns a factor and the checkpoint's config into --position items.
 FAMILIES: dict[str, Family] = {
     "rope-pi": Family(
@@ -64,6 +80,8 @@ FAMILIES: dict[str, Family] = {
         "learned table of s times the rows, linearly interpolated",
         lambda s, cfg: ["learned.extend=interpolate", f"learned.factor={_number(s)}"],
     ),
+    **{f"{kind}-distance": _distance(kind) for kind in ("kerple_log", "kerple_power", "sandwich")},
+    **{f"xpos-{scaling}": _xpos(scaling) for scaling in ("pi", "ntk", "yarn")},
 }
 
 
@@ -77,7 +95,7 @@ class Method:
     factor: float | None = None
     side: str = "both"
     custom: tuple[str, ...] = ()  # the items of a custom method
-    original: int | None = None  # rope-yarn: the trained context in tokens (None: data.max_len + 1)
+    original: int | None = None  # rope-yarn, xpos-yarn: the trained context in tokens (None: max_len + 1)
 
     def encodings(self) -> set[str]:
         """The encodings this method changes (none for the baseline)."""
@@ -100,7 +118,9 @@ class Method:
             return list(self.custom)
         assert self.factor is not None
         side = [] if self.side == "both" else [f"side={self.side}"]
-        original = [f"rope.original={self.original}"] if self.original and self.family == "rope-yarn" else []
+        yarn = self.family in ("rope-yarn", "xpos-yarn")
+        encoding = FAMILIES[self.family].encoding
+        original = [f"{encoding}.original={self.original}"] if self.original and yarn else []
         return [*side, *FAMILIES[self.family].items(self.factor, cfg), *original]
 
     def describe(self) -> str:
