@@ -121,11 +121,13 @@ def test_tensor_parallel_forward_with_flex_equals_one_process(tmp_path: Path) ->
 
 def test_plain_ddp_with_two_ranks_follows_one_process(tmp_path: Path) -> None:
     """`accelerate launch` of configs/accelerate/cpu_ddp.yaml (no DeepSpeed): the gradients are averaged
-    over the ranks (torch DDP), so 2 ranks with half a batch each follow one process with the whole."""
+    over the ranks (torch DDP), so 2 ranks with half a batch each follow one process with the whole.
+    The first step searches for parameters without gradients; with none, the later steps do not."""
     out = tmp_path / "ddp.json"
     launch(ROOT / "configs/accelerate/cpu_ddp.yaml", [str(HARNESS), "zero", str(out), "4"], tmp_path)
     result = json.loads(out.read_text())
     assert result["dp_size"] == 2 and result["zero_stage"] is None
+    assert [step["find_unused"] for step in result["steps"]] == [1.0, 0.0, 0.0, 0.0]
     for step in result["steps"]:
         assert relative(step["loss"], step["ref_loss"]) < 1e-6, step
         assert relative(step["grad_norm"], step["ref_grad_norm"]) < 1e-6, step

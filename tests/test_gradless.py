@@ -170,3 +170,24 @@ def test_average_and_export_write_the_parameter_as_it_is(chain: Chain) -> None:
     for name in ("average", "export"):
         weights = load_file(str(chain[name][0] / "model.safetensors"))
         assert all(torch.equal(weights[n], torch.zeros(3)) for n in SPARE), name
+
+
+def test_plain_ddp_trains_a_model_with_a_parameter_that_gets_no_gradient(
+    env: dict[str, str], tmp_path: Path
+) -> None:
+    """torch DDP (configs/accelerate/cpu_ddp.yaml, 2 ranks) expects a gradient for every parameter
+    unless it searches for the missing ones: it searches at the first step, keeps searching when a
+    parameter got none (without the search the second step stops: "Expected to have finished reduction"),
+    warns once, saves the parameter as it is and resumes."""
+    run_dir = tmp_path / "ddp"
+    ddp = str(ROOT / "configs/accelerate/cpu_ddp.yaml")
+    first = train(env, ddp, run_dir, "train.max_steps=3", "train.save_every=1")
+    resumed = train(env, ddp, run_dir, "train.max_steps=5", "train.save_every=1")
+    assert first.count("no gradient at step") == 1 and WARNING.format(step=1) in first
+    assert resumed.count("no gradient at step") == 1 and WARNING.format(step=4) in resumed
+    saved, start = tensors(ckpt(run_dir, 5)), tensors(ckpt(run_dir, 1))
+    assert json.loads((ckpt(run_dir, 5) / "manifest.json").read_text())["layout"]["dp_size"] == 2
+    for n in SPARE:
+        assert torch.equal(saved[n], torch.zeros(3))
+    gain = "encoder.positions.0.gain"
+    assert "resumed from" in resumed and not torch.equal(saved[gain], start[gain])

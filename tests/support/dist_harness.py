@@ -227,6 +227,10 @@ def lockstep(
         halves = [batch(100 * step + r, rows=3 + r) for r in range(ctx.dp_size)]
         stats = train_step(sharded, [halves[ctx.dp_rank]], cfg, ctx, cast).read(ctx)
         ref = train_step(plain, halves, cfg2, ParallelContext.fake(), ref_cast).read(ParallelContext.fake())
+        if sharded.ddp:  # which backward searched for unused parameters; then settled as the loop does
+            stats["find_unused"] = float(sharded.model.find_unused_parameters)
+        if step == 0:
+            sharded.settle([])  # every parameter of these models gets a gradient
         yield stats, ref, max_diff(full_weights(sharded), full_weights(plain))
 
 
@@ -255,6 +259,7 @@ def zero_check(
                 "ref_grad_norm": ref["grad_norm"],
                 "param_diff": diff,
                 "moved": max_diff(full_weights(plain), model_state(cfg)),
+                "find_unused": stats.get("find_unused"),
             }
         )
     return {

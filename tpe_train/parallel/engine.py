@@ -64,9 +64,11 @@ class Engine:
             # group, wrapped here rather than by accelerate, whose state reads a CPU launch of
             # `accelerate launch` (distributed_type MULTI_GPU + use_cpu, started by torchrun) as not
             # distributed at all (accelerate 1.15: DistributedType.NO): every rank then trained alone.
+            # DDP expects a gradient for every parameter unless told to look for the missing ones
+            # (find_unused_parameters, a walk of the autograd graph in every backward); it looks during
+            # the first step, and ``settle`` drops the search when every parameter got a gradient.
             if self.ddp:
-                ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-                model = nn.parallel.DistributedDataParallel(model, device_ids=ids, process_group=ctx.dp_group)
+                model = self._ddp(model, find_unused=True)
             self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
             return
         from accelerate import Accelerator
@@ -84,6 +86,21 @@ class Engine:
             _separate_projections(self.module)
         share_fp32_master(self.optimizer)
         _record_stage0_norm(self.model)
+
+    def _ddp(self, model: nn.Module, find_unused: bool) -> nn.parallel.DistributedDataParallel:
+        ctx = self.ctx
+        ids = [ctx.device.index] if ctx.device.type == "cuda" else None
+        return nn.parallel.DistributedDataParallel(
+            model, device_ids=ids, process_group=ctx.dp_group, find_unused_parameters=find_unused
+        )
+
+    def settle(self, gradless: list[str]) -> None:
+        """After the first optimizer step of this process, with the trainable parameters that got no
+        gradient on any rank (``train.gradless``): plain DDP stops looking for them when there are none
+        (wrapped again, between steps, without ``find_unused_parameters``); with some, it keeps looking,
+        so that their absence from the gradient reduction is expected. Other engines: nothing to do."""
+        if self.ddp and not gradless and self.model.find_unused_parameters:
+            self.model = self._ddp(self.model.module, find_unused=False)
 
     @property
     def module(self) -> nn.Module:

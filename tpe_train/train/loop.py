@@ -52,14 +52,16 @@ def train_steps(run: Run) -> Saver:
     log, positions, validator, saver = StepLog(run), PositionLog(run), Validator(run), Saver(run)
     samples = SampleLog(run)
     gradless = GradlessWatch(run.engine.module, run.ctx)  # names what gets no gradient, at the first step
+    first = progress.step + 1
     try:
-        for step in range(progress.step + 1, cfg.train.max_steps + 1):
+        for step in range(first, cfg.train.max_steps + 1):
             if validator.stop:
                 break
             micro = [next(run.batches) for _ in range(cfg.train.accumulate)]
             pending = train_step(run.engine, micro, cfg, run.ctx, run.amp_dtype)  # read at log steps only
             progress.step = step
-            gradless.report(step)  # the first step's only
+            if step == first:  # what got no gradient: warned about, and plain DDP told
+                run.engine.settle(gradless.report(step))
             samples.write(step, micro)
             log.step(step, micro, pending)
             positions.maybe_write(step)  # attention distances, tables
