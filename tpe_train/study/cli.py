@@ -252,7 +252,12 @@ def extrapolate_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("study_dir", nargs="?", default=None, help="a study directory: every run's export")
     p.add_argument(
-        "--checkpoint", action="append", default=[], help="an export (repeatable), instead of a study"
+        "--checkpoint",
+        action="append",
+        default=[],
+        help="an export (repeatable), instead of a study; the model a run's report scored is the one its "
+        "eval.json names under selected (RUN/averaged-lastN under eval.select=average_last), not "
+        "RUN/checkpoint (the last step)",
     )
     p.add_argument(
         "--label",
