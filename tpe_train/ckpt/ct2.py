@@ -136,7 +136,7 @@ def check_exportable(model: Transformer, tok: Tokenizer, quantization: str) -> N
             "keys, biases, rotary embeddings or ALiBi); only models with cross=none export"
         )
     pa = a.position_args(causal=False)
-    drawn = augment.export_refusal(pa.augment, pa.randomized_test, "CTranslate2")
+    drawn = augment.drawn_positions_refusal(pa.augment, pa.randomized_test, "CTranslate2")
     if drawn is not None:
         raise CheckpointError(drawn)
     for side, kind in (("encoder", a.encoder_position), ("decoder", a.decoder_position)):

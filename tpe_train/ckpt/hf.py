@@ -107,7 +107,7 @@ def hf_target(args: ModelArgs) -> Target:
             "cross-attention; export it as --format native"
         )
     pa = args.position_args(causal=False)
-    drawn = augment.export_refusal(pa.augment, pa.randomized_test, "transformers")
+    drawn = augment.drawn_positions_refusal(pa.augment, pa.randomized_test, "transformers")
     if drawn is not None:
         raise CheckpointError(drawn)
     refusal = export_refusal(enc, "transformers", "a sinusoid or a learned absolute table")

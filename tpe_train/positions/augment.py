@@ -124,7 +124,7 @@ def decode_draw(expected: int, limit: int, randomized_range: int, generator: tor
     return torch.cat((drawn, above, rest))
 
 
-def export_refusal(augment: str, randomized_test: bool, target: str) -> str | None:
+def drawn_positions_refusal(augment: str, randomized_test: bool, target: str) -> str | None:
     """Why a model cannot run as trained in ``target`` (an exporter's runtime, which feeds positions
     0, 1, 2, ...): it draws its positions at test time; None where it does not."""
     if augment != "randomized" or not randomized_test:
