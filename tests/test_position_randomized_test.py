@@ -8,9 +8,12 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tokenizers import Tokenizer
+from tokenizers.models import WordLevel
 from torch import Tensor
 
 from tests.support.models import tiny_model
+from tpe_train.ckpt.ct2 import check_exportable
 from tpe_train.ckpt.errors import CheckpointError
 from tpe_train.ckpt.hf import hf_target
 from tpe_train.evaluation.position_settings import apply_position_settings
@@ -112,6 +115,8 @@ def test_exporters_refuse_a_model_that_draws_its_positions() -> None:
     net = model("learned", pre_norm=True)
     with pytest.raises(CheckpointError, match="draws its self-attention positions"):
         hf_target(net.args)
+    with pytest.raises(CheckpointError, match="CTranslate2 feeds positions 0, 1, 2"):
+        check_exportable(net, Tokenizer(WordLevel({"a": 0}, unk_token="a")), "float32")
     assert net.args.position is not None
     undrawn = replace(net.args, position=replace(net.args.position, randomized_test=False))
     assert hf_target(undrawn).model_type == "blenderbot"
