@@ -62,21 +62,19 @@ def _fresh_logging() -> Iterator[None]:
         logger.setLevel(logging.NOTSET)
 
 
+def _tiny_argv(root: Path, *overrides: str) -> list[str]:
+    """``TINY_RUN`` writing its run to ``root/run`` and its token store to ``root/store``."""
+    return [*TINY_RUN, *overrides, f"train.run_dir={root / 'run'}", f"data.store_dir={root / 'store'}"]
+
+
 @pytest.fixture(scope="session")
 def tiny_step(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A real tiny run of one step, made once in this process and shared (read it, or copy it to change
     it): ``run/checkpoints/step-00000001``, ``run/checkpoint`` (its export) and the token store ``store``."""
-    from tests.support.models import TINY_RUN
     from tpe_train.train.cli import main as tpe_train
 
     root = tmp_path_factory.mktemp("tiny-step")
-    argv = [
-        *TINY_RUN,
-        "train.max_steps=1",
-        f"train.run_dir={root / 'run'}",
-        f"data.store_dir={root / 'store'}",
-    ]
-    assert tpe_train(argv) == 0
+    assert tpe_train(_tiny_argv(root, "train.max_steps=1")) == 0
     return root
 
 
@@ -88,8 +86,8 @@ def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     store) under the returned folder. Tests copy what they change; only integration tests may ask
     for it (it starts a process)."""
     root = tmp_path_factory.mktemp("tiny-run")
-    cmd = [sys.executable, "-m", "tpe_train.train", *TINY_RUN, "train.max_steps=2", "train.save_every=1"]
-    cmd += [f"train.run_dir={root / 'run'}", f"data.store_dir={root / 'store'}"]
+    argv = _tiny_argv(root, "train.max_steps=2", "train.save_every=1")
+    cmd = [sys.executable, "-m", "tpe_train.train", *argv]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return root
