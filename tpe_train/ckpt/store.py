@@ -329,8 +329,8 @@ def check_compatible(path: Path, cfg: Config, vocab: str | None = None) -> None:
     members.check_type(saved, dict, f"{path / CONFIG}", CheckpointError)
     dumped = cfg.model_dump(mode="json")
     idle = set(legacy.absent_and_idle(saved, dumped))  # added since, and of no effect on this model
-    differences = [d for d in _diff(legacy.fill(saved).get("model", {}), dumped["model"], "model")
-                   if d.partition(" ")[0] not in idle]  # fmt: skip
+    differing = _diff(legacy.fill(saved).get("model", {}), dumped["model"], "model")
+    differences = [text for key, text in differing if key not in idle]
     if differences:
         raise CheckpointError(
             f"{path} was written by another model ({'; '.join(differences[:6])}); resume it with its own "
@@ -344,13 +344,14 @@ def check_compatible(path: Path, cfg: Config, vocab: str | None = None) -> None:
         )
 
 
-def _diff(saved: Any, ours: Any, prefix: str) -> list[str]:
+def _diff(saved: Any, ours: Any, prefix: str) -> list[tuple[str, str]]:
+    """Each dotted key whose value differs, with the sentence that says how."""
     if isinstance(saved, dict) and isinstance(ours, dict):
         out = []
         for key in sorted(set(saved) | set(ours)):
             out += _diff(saved.get(key), ours.get(key), f"{prefix}.{key}")
         return out
-    return [] if saved == ours else [f"{prefix} is {saved!r} there, {ours!r} here"]
+    return [] if saved == ours else [(prefix, f"{prefix} is {saved!r} there, {ours!r} here")]
 
 
 def prune(root: Path, keep_last: int, keep_every: int, keep_steps: tuple[int, ...] = ()) -> list[Path]:
