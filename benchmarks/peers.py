@@ -25,6 +25,7 @@ import torch
 from harness import SEED
 from torch import Tensor, nn
 
+from tpe_train.ckpt.hf import bart_family_kwargs
 from tpe_train.data.batching import BOS_ID, EOS_ID, PAD_ID
 from tpe_train.model.args import ModelArgs
 from tpe_train.model.generate import beam_search
@@ -47,27 +48,7 @@ def hf_model(name: str, args: ModelArgs, seed: int = SEED) -> nn.Module:
     }
     pos = args.position_args(causal=False)
     if name in ("hf-marian", "hf-bart"):
-        common = dict(
-            vocab_size=args.vocab_size,
-            d_model=args.d_model,
-            encoder_layers=args.encoder_layers,
-            decoder_layers=args.decoder_layers,
-            encoder_attention_heads=args.n_heads,
-            decoder_attention_heads=args.n_heads,
-            encoder_ffn_dim=args.ffn_dim,
-            decoder_ffn_dim=args.ffn_dim,
-            activation_function="relu",
-            dropout=args.dropout,
-            attention_dropout=args.attention_dropout,
-            activation_dropout=args.activation_dropout,
-            encoder_layerdrop=0.0,
-            decoder_layerdrop=0.0,
-            max_position_embeddings=pos.max_positions,
-            scale_embedding=True,
-            tie_word_embeddings=True,
-            forced_eos_token_id=None,
-            **ids,
-        )
+        common = bart_family_kwargs(args, pos.max_positions)
         if name == "hf-marian":
             config = tf.MarianConfig(
                 decoder_vocab_size=args.vocab_size, share_encoder_decoder_embeddings=True, **common

@@ -204,12 +204,10 @@ def _positions(args: ModelArgs, cfg: Config, target: Target) -> int:
     return max(1024, rows, cfg.data.max_len + 1, decodable)
 
 
-def hf_config(model: Transformer, cfg: Config, target: Target) -> Any:
-    """The ``transformers`` config of the model."""
-    import transformers
-
-    args = model.args
-    common: dict[str, Any] = dict(
+def bart_family_kwargs(args: ModelArgs, max_positions: int) -> dict[str, Any]:
+    """The keys that Marian, Pegasus, Blenderbot and BART configs share, for a model of ``args``' shape:
+    sizes, ReLU, dropouts, sqrt(d_model) embedding scale, tied embeddings, our special token ids."""
+    return dict(
         vocab_size=args.vocab_size,
         d_model=args.d_model,
         encoder_layers=args.encoder_layers,
@@ -222,7 +220,7 @@ def hf_config(model: Transformer, cfg: Config, target: Target) -> Any:
         dropout=args.dropout,
         attention_dropout=args.attention_dropout,
         activation_dropout=args.activation_dropout,
-        max_position_embeddings=_positions(args, cfg, target),
+        max_position_embeddings=max_positions,
         scale_embedding=True,  # sqrt(d_model), as ours
         pad_token_id=PAD_ID,
         bos_token_id=BOS_ID,
@@ -230,8 +228,16 @@ def hf_config(model: Transformer, cfg: Config, target: Target) -> Any:
         decoder_start_token_id=BOS_ID,  # our decoder input starts with BOS
         forced_eos_token_id=None,
         tie_word_embeddings=True,
-        architectures=[target.class_name],
     )
+
+
+def hf_config(model: Transformer, cfg: Config, target: Target) -> Any:
+    """The ``transformers`` config of the model."""
+    import transformers
+
+    args = model.args
+    common = bart_family_kwargs(args, _positions(args, cfg, target))
+    common["architectures"] = [target.class_name]
     if target.model_type == "marian":
         return transformers.MarianConfig(**common, share_encoder_decoder_embeddings=True)
     if target.model_type == "pegasus":
