@@ -37,6 +37,7 @@ from tpe_train.ckpt.errors import CheckpointError, UnknownFormat
 from tpe_train.ckpt.rundir import CONFIG, RunDir
 from tpe_train.config import Config, legacy
 from tpe_train.run import members, readers
+from tpe_train.run.atomic import fsync_dir
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
@@ -61,14 +62,6 @@ def sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def write_json(path: Path, data: Any) -> None:
