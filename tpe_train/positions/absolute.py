@@ -86,7 +86,8 @@ class LearnedPosition(PositionEncoding):
 
     @property
     def max_length(self) -> int | None:
-        return self.args.max_positions if self.extended is None else self.extended.shape[0]
+        rows = self.args.max_positions if self.extended is None else self.extended.shape[0]
+        return rows - self.shift  # a test-time shift uses the last rows for the first positions
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
         pos = self.train_positions(pos, x.shape[0])  # (L,), or (B, L) in training with augmentation

@@ -52,6 +52,12 @@ RANDOMIZED_TEST_SETTING = (
     "true: draw self-attention's positions at test time as in training (trained with "
     "model.position.augment=randomized); false: positions 0, 1, 2, ..."
 )
+#: what ``shift``, the test-time setting of an encoding that takes ``shape``, does
+SHIFT_SETTING = (
+    "K >= 0: self-attention's positions K, K+1, ... at test time instead of 0, 1, ... (SHAPE's shift "
+    "invariance: a model trained with model.position.augment=shape scores alike for any K up to "
+    "augment_max_shift)"
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -138,6 +144,7 @@ class PositionEncoding(nn.Module):
     def __init__(self, args: PositionArgs) -> None:
         super().__init__()
         self.args = args
+        self.shift = 0  # test-time offset of self-attention's positions (``adapt``: shift=K)
         # Global indices of the heads this module serves; a tensor-parallel plan narrows it.
         self.heads: list[int] = list(range(args.n_heads))
 
@@ -193,15 +200,15 @@ class PositionEncoding(nn.Module):
         """Self-attention's positions for a batch whose (L,) positions are ``pos`` (0..L-1): ``pos``
         itself, or where ``draws_at_test`` a sorted draw of L from 0..R-1 shared by the batch."""
         if not self.draws_at_test():
-            return pos
+            return pos + self.shift if self.shift else pos
         return eval_draw(pos.shape[0], self.args.randomized_range, self._test_generator()).to(pos.device)
 
     def decode_positions(self, expected: int, limit: int, device: torch.device) -> Tensor | None:
         """The decoder's self-attention positions (limit,) for incremental decoding of up to ``limit``
         steps from a source of ``expected`` tokens, or None (0, 1, 2, ...): where ``draws_at_test``,
-        ``augment.decode_draw``."""
+        ``augment.decode_draw``; with a test-time ``shift``, shift, shift + 1, ..."""
         if not self.draws_at_test():
-            return None
+            return torch.arange(limit, device=device) + self.shift if self.shift else None
         return decode_draw(expected, limit, self.args.randomized_range, self._test_generator()).to(device)
 
     def embed(self, x: Tensor, pos: Tensor) -> Tensor:
@@ -290,6 +297,8 @@ class PositionEncoding(nn.Module):
         known = dict(self.settings)
         if self.args.augment == "randomized" and "randomized" in self.augments:
             known["randomized_test"] = RANDOMIZED_TEST_SETTING
+        if "shape" in self.augments:
+            known["shift"] = SHIFT_SETTING
         unknown = sorted(set(settings) - set(known))
         if unknown:
             valid = ", ".join(sorted(known)) or "none"
@@ -301,6 +310,16 @@ class PositionEncoding(nn.Module):
             if value not in ("true", "false"):
                 raise ValueError(f"position setting randomized_test={value!r}: give true or false")
             self.args = replace(self.args, randomized_test=value == "true")
+        if "shift" in settings:
+            shift = self.setting(settings, "shift", int, 0)
+            if shift < 0:
+                raise ValueError(f"position setting shift={shift}: give an offset of 0 or more")
+            self.shift = shift
+        if self.shift and self.args.augment == "randomized" and self.args.randomized_test:
+            raise ValueError(
+                "position setting shift: this model draws its positions at test time (trained with "
+                "augment=randomized); add randomized_test=false to shift positions 0, 1, 2, ..."
+            )
         self.__dict__.pop("_memo", None)  # terms built before the change are stale
 
     @staticmethod
