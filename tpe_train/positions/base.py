@@ -178,16 +178,14 @@ class PositionEncoding(nn.Module):
             self.__dict__.pop("_test_gen", None)
         return super().train(mode)
 
+    def trained_randomized(self) -> bool:
+        """Whether this encoding takes ``randomized`` and was trained with it."""
+        return self.args.augment == "randomized" and "randomized" in self.augments
+
     def draws_at_test(self) -> bool:
         """Whether self-attention's positions are drawn in evaluation and decoding: ``randomized``
         with ``randomized_test``, for an encoding that takes it, out of training."""
-        a = self.args
-        return (
-            not self.training
-            and a.augment == "randomized"
-            and a.randomized_test
-            and a.augment in self.augments
-        )
+        return not self.training and self.trained_randomized() and self.args.randomized_test
 
     def _test_generator(self) -> torch.Generator:
         gen: torch.Generator | None = self.__dict__.get("_test_gen")
@@ -198,7 +196,8 @@ class PositionEncoding(nn.Module):
 
     def test_positions(self, pos: Tensor) -> Tensor:
         """Self-attention's positions for a batch whose (L,) positions are ``pos`` (0..L-1): ``pos``
-        itself, or where ``draws_at_test`` a sorted draw of L from 0..R-1 shared by the batch."""
+        itself (plus a test-time ``shift``), or where ``draws_at_test`` a sorted draw of L from 0..R-1
+        shared by the batch."""
         if not self.draws_at_test():
             return pos + self.shift if self.shift else pos
         return eval_draw(pos.shape[0], self.args.randomized_range, self._test_generator()).to(pos.device)
@@ -295,7 +294,7 @@ class PositionEncoding(nn.Module):
         the valid ones. The identity setting (factor 1) leaves outputs bitwise unchanged. An encoding
         trained with ``randomized`` also takes ``randomized_test=true|false`` (``draws_at_test``)."""
         known = dict(self.settings)
-        if self.args.augment == "randomized" and "randomized" in self.augments:
+        if self.trained_randomized():
             known["randomized_test"] = RANDOMIZED_TEST_SETTING
         if "shape" in self.augments:
             known["shift"] = SHIFT_SETTING
@@ -315,7 +314,7 @@ class PositionEncoding(nn.Module):
             if shift < 0:
                 raise ValueError(f"position setting shift={shift}: give an offset of 0 or more")
             self.shift = shift
-        if self.shift and self.args.augment == "randomized" and self.args.randomized_test:
+        if self.shift and self.trained_randomized() and self.args.randomized_test:
             raise ValueError(
                 "position setting shift: this model draws its positions at test time (trained with "
                 "augment=randomized); add randomized_test=false to shift positions 0, 1, 2, ..."
