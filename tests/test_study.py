@@ -728,3 +728,27 @@ def test_a_report_joins_study_directories_with_their_own_overrides(
     assert main([*argv[:2], "--include", str(tmp_path / "m30k"), "--out", str(tmp_path / "x")]) == 2
     assert "has preset='multi30k_en_de'" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+def test_a_seed_the_baseline_lacks_is_named_not_paired(tmp_path: Path) -> None:
+    """A third seed of one setting in another study (the baseline has two): the row's mean takes all
+    three, its test against the baseline names the two seeds it pairs, and the third is listed as
+    unpaired rather than dropped without a word."""
+    base = Study(tmp_path / "base", "demo", settings=["sinusoidal", "rope"], seeds=[1, 2])
+    more = Study(tmp_path / "more", "demo", settings=["rope"], seeds=[3])
+    for study in (base, more):
+        study.save()
+    wrong = [r if i % 4 else "a dog" for i, r in enumerate(REFS)]
+    for seed in (1, 2):
+        _finished(base, "sinusoidal", seed, 50.0, wrong)
+        _finished(base, "rope", seed, 60.0, REFS)
+    _finished(more, "rope", 3, 63.0, REFS)
+    out = tmp_path / "combined"
+    assert main(["report", str(base.root), "--include", str(more.root), "--out", str(out)]) == 0
+    paired = json.loads((out / "summary.json").read_text())["settings"]["rope"]["paired"]
+    assert sorted(paired["per_seed"]) == ["1", "2"] and paired["seeds_without_baseline"] == [3]
+    report = (out / "report.md").read_text()
+    row = next(line for line in report.splitlines() if line.startswith("| `rope` | 3 | 61.0 ± 1.7 |"))
+    assert row.count("; seeds 1, 2)") == 2  # BLEU and chrF
+    assert "| `rope` | 3 | no `sinusoidal` run of this seed: not paired |" in report
+    assert "| `rope` | pooled (1, 2) |" in report

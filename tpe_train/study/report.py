@@ -54,12 +54,19 @@ def _p(p: float) -> str:
     return "< 0.001" if p < 0.001 else f"{p:.3f}"
 
 
-def _versus(test: PairedResult | None, key: str) -> str:
-    """A cell ``+1.3 (p 0.002)``: the pooled difference to the baseline and its p-value."""
-    if test is None:
+def _versus(test: SettingTests, row: Row, key: str) -> str:
+    """A cell ``+1.3 (p 0.002)``: the pooled difference to the baseline and its p-value, naming the
+    paired seeds where they are fewer than the row's (``+1.3 (p 0.002; seeds 1, 2)``)."""
+    if test.pooled is None:
         return "n/a"
-    m = test.metrics[key]
-    return f"{m.delta:+.1f} (p {_p(m.p_value)})"
+    m = test.pooled.metrics[key]
+    paired = list(test.per_seed)
+    seeds = (
+        f"; seed{'s' * (len(paired) > 1)} {', '.join(map(str, paired))}"
+        if len(paired) < len(row.seeds)
+        else ""
+    )
+    return f"{m.delta:+.1f} (p {_p(m.p_value)}{seeds})"
 
 
 def markdown(
@@ -113,7 +120,8 @@ def markdown(
     if paired:
         lines.append(
             f"vs `{baseline}`: the difference to the baseline setting and the p-value of sacreBLEU's paired "
-            "bootstrap resampling, pooled over seeds (per seed: below)."
+            "bootstrap resampling, pooled over the seeds both have (named where the row has more; per seed: "
+            "below)."
         )
     if beyond:
         lines.append(
@@ -135,8 +143,7 @@ def markdown(
         cells += [row.figures[k].text(FIGURES[k][1], FIGURES[k][2]) for k in shown]
         if paired:
             test = by_setting.get(row.setting)
-            pooled = test.pooled if test is not None else None
-            cells += ["baseline"] * 2 if test is None else [_versus(pooled, "bleu"), _versus(pooled, "chrf")]
+            cells += ["baseline"] * 2 if test is None else [_versus(test, row, k) for k in ("bleu", "chrf")]
         for b in buckets:
             stat = row.buckets[b]
             cell = stat.text() if stat.values else ("too long" if b in row.too_long else "n/a")
@@ -214,6 +221,11 @@ def significance_section(tests: list[SettingTests], baseline: str) -> list[str]:
                 m = result.metrics[key]
                 cells += [f"{m.system:.2f} ± {m.system_ci:.2f}", f"{m.delta:+.2f}", _p(m.p_value)]
             lines.append("| " + " | ".join(cells) + " |")
+        if test.unpaired:
+            lines.append(
+                f"| `{test.setting.name}` | {', '.join(map(str, test.unpaired))} | no `{baseline}` run of "
+                "this seed: not paired | | | | | |"
+            )
         if test.missing:
             lines.append(
                 f"| `{test.setting.name}` | {', '.join(map(str, test.missing))} | no kept test hypotheses "

@@ -201,6 +201,7 @@ class SettingTests:
     per_seed: dict[int, PairedResult] = field(default_factory=dict)
     pooled: PairedResult | None = None
     missing: list[int] = field(default_factory=list)  # seeds without kept hypotheses on either side
+    unpaired: list[int] = field(default_factory=list)  # seeds the setting has and the baseline does not
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -208,6 +209,7 @@ class SettingTests:
             "per_seed": {str(seed): r.as_dict() for seed, r in self.per_seed.items()},
             "pooled": self.pooled.as_dict() if self.pooled is not None else None,
             "seeds_without_hypotheses": self.missing,
+            "seeds_without_baseline": self.unpaired,
         }
 
 
@@ -263,6 +265,9 @@ def significance(study: Study, runs: list[Run], samples: int = 1000) -> list[Set
         pooled: tuple[list[str], list[str], list[str]] = ([], [], [])
         for seed in study.seeds:
             mine, theirs = (by_cell.get((s, seed)) for s in (setting, baseline))
+            if mine is not None and mine.metrics is not None and (theirs is None or theirs.metrics is None):
+                result.unpaired.append(seed)  # a seed only this setting has (or its baseline run is not done)
+                continue
             if mine is None or theirs is None or mine.metrics is None or theirs.metrics is None:
                 continue  # not run yet: listed as missing elsewhere
             a, b = kept_hypotheses(mine), kept_hypotheses(theirs)
