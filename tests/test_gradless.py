@@ -16,7 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.support.plugin_pkg import env_with, install_idle
+from tests.support.plugin_pkg import env_with, install_first_only, install_idle
 from tpe_train.ckpt.shards import read_index, read_tensor
 
 pytestmark = pytest.mark.integration  # every test here starts the project's commands
@@ -191,3 +191,30 @@ def test_plain_ddp_trains_a_model_with_a_parameter_that_gets_no_gradient(
         assert torch.equal(saved[n], torch.zeros(3))
     gain = "encoder.positions.0.gain"
     assert "resumed from" in resumed and not torch.equal(saved[gain], start[gain])
+
+
+def test_plain_ddp_names_the_setting_for_a_parameter_unused_after_the_first_step(
+    tmp_path: Path,
+) -> None:
+    """A parameter that gets a gradient in the first step and none later (the encoding ``once``): by
+    default DDP stops searching after the first step and torch stops at the third with its own message;
+    the run says instead what happened and which setting trains it, keeping the checkpoint of step 1.
+    With ``parallel.find_unused=always`` the same run trains and saves."""
+    env = {**env_with(install_first_only(tmp_path / "plugin")), "DS_ACCELERATOR": "cpu"}
+    ddp = str(ROOT / "configs/accelerate/cpu_ddp.yaml")
+    base = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", ddp, "-m", "tpe_train.train"]
+    args = [*TINY, "model.position.kind=once", "train.max_steps=4", "train.save_every=1"]
+    stopped = subprocess.run(
+        [*base, *args, f"train.run_dir={tmp_path / 'first'}"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    output = stopped.stdout + stopped.stderr
+    assert stopped.returncode != 0, output[-3000:]
+    assert "a trainable parameter got no gradient in the last step" in output
+    assert "Set parallel.find_unused=always" in output
+    assert ckpt(tmp_path / "first", 1).is_dir() and not ckpt(tmp_path / "first", 4).exists()
+    trained = train(env, ddp, tmp_path / "always", "model.position.kind=once", "train.max_steps=4",
+                    "parallel.find_unused=always")  # fmt: skip
+    assert "no gradient" not in trained
+    saved = tensors(ckpt(tmp_path / "always", 4))
+    assert not torch.equal(saved["encoder.positions.0.extra"], torch.zeros(1))  # its one update

@@ -157,6 +157,18 @@ IDLE = GOOD.replace(
     "self.gain = nn.Parameter(torch.ones(1))\n        self.spare = nn.Parameter(torch.zeros(3))  # unused",
 )
 
+#: The scaled sinusoid with a second parameter that only the first forward with gradients uses: a
+#: model whose used parameters change from step to step.
+FIRST_ONLY = GOOD.replace(
+    "self.gain = nn.Parameter(torch.ones(()))",
+    "self.gain = nn.Parameter(torch.ones(1))\n        self.extra = nn.Parameter(torch.zeros(1))\n"
+    "        self.calls = 0",
+).replace(
+    "        return x + 0.5",
+    "        if torch.is_grad_enabled():\n            self.calls += 1\n"
+    "            x = x + self.extra if self.calls == 1 else x\n        return x + 0.5",
+)
+
 #: Entry points that cannot be used: an import that fails, a name a built-in has, an object that is not
 #: an encoding class.
 BAD = '''\
@@ -195,6 +207,12 @@ def install_idle(root: Path) -> Path:
     """Package ``idlepos``: the encoding ``idle`` (``idlepos.enc:ScaledSinusoid``), whose parameter
     ``spare`` takes no part in the loss; its site folder."""
     return _install(root, "idlepos", {"enc": IDLE}, {"idle": "idlepos.enc:ScaledSinusoid"})
+
+
+def install_first_only(root: Path) -> Path:
+    """Package ``oncepos``: the encoding ``once`` (``oncepos.enc:ScaledSinusoid``), whose parameter
+    ``extra`` takes part in the loss of the first training step only; its site folder."""
+    return _install(root, "oncepos", {"enc": FIRST_ONLY}, {"once": "oncepos.enc:ScaledSinusoid"})
 
 
 def install_bad(root: Path) -> Path:

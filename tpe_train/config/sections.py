@@ -281,6 +281,12 @@ RESUME_MODES = ("auto", "latest", "never")
 class ParallelConfig(Section):
     tp_size: Int | None = Field(None, ge=1)
     """Tensor-parallel size (DeepSpeed AutoTP); empty: the launch file's autotp_size, else 1."""
+    find_unused: Literal["first_step", "always"] = "first_step"
+    """Plain data parallelism (torch DDP, no DeepSpeed), which must know the parameters that get no
+    gradient: first_step = search the autograd graph for them in the first step only, and in every step
+    when the first step found one (the usual model uses the same parameters at every step); always =
+    search in every step (fairseq's --find-unused-parameters), for a model whose used parameters change
+    from step to step (a module only long batches use). Ignored on one process and under DeepSpeed."""
 
 
 class EvalConfig(Section):

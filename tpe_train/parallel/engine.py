@@ -10,13 +10,29 @@ accelerate drives it; under plain torch, ``step`` clips and steps.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from tpe_train.config import ConfigError
 from tpe_train.parallel.context import ParallelContext
+
+log = logging.getLogger(__name__)
+
+#: torch DDP's error at the forward after a step in which a parameter got no gradient unlooked-for
+UNREDUCED = "Expected to have finished reduction in the prior iteration"
+UNUSED_LATER = (
+    "plain data parallelism (torch DDP): a trainable parameter got no gradient in the last step, though "
+    "every parameter got one in the first step, so DDP stopped searching for parameters without a "
+    "gradient (parallel.find_unused=first_step) and could not average the gradients of that step. The "
+    "model uses different parameters in different steps (a module only some batches reach). Set "
+    "parallel.find_unused=always, which searches in every step, or train under DeepSpeed "
+    "(configs/accelerate/cpu_zero2.yaml and its GPU twins); resuming from the last checkpoint loses "
+    "nothing."
+)
 
 
 def torch_optimizer(optimizer: Any) -> torch.optim.Optimizer:
@@ -43,6 +59,7 @@ class Engine:
         deepspeed: dict[str, Any] | None,
         loss_scale: float | None = None,
         scale_window: int = 1000,
+        find_unused: str = "first_step",
     ) -> None:
         """``loss_scale``: fp16 on a plain engine, the first scale of torch's dynamic loss scaling,
         doubled after ``scale_window`` steps without an overflow (under DeepSpeed, its config's
@@ -53,6 +70,7 @@ class Engine:
         self.accelerator: Any = None
         self.model: Any  # nn.Module, DistributedDataParallel or a DeepSpeed engine
         self.ddp = deepspeed is None and ctx.distributed
+        self.search_always = find_unused == "always"  # DDP: look for gradless parameters in every step
         self.scaler: torch.amp.GradScaler | None = None
         if loss_scale is not None:
             assert deepspeed is None, "under DeepSpeed, fp16 loss scaling is DeepSpeed's"
@@ -66,7 +84,8 @@ class Engine:
             # distributed at all (accelerate 1.15: DistributedType.NO): every rank then trained alone.
             # DDP expects a gradient for every parameter unless told to look for the missing ones
             # (find_unused_parameters, a walk of the autograd graph in every backward); it looks during
-            # the first step, and ``settle`` drops the search when every parameter got a gradient.
+            # the first step, and ``settle`` drops the search when every parameter got a gradient
+            # (``find_unused="always"``: it never does).
             if self.ddp:
                 model = self._ddp(model, find_unused=True)
             self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
@@ -99,7 +118,7 @@ class Engine:
         gradient on any rank (``train.gradless``): plain DDP stops looking for them when there are none
         (wrapped again, between steps, without ``find_unused_parameters``); with some, it keeps looking,
         so that their absence from the gradient reduction is expected. Other engines: nothing to do."""
-        if self.ddp and not gradless and self.model.find_unused_parameters:
+        if self.ddp and not gradless and not self.search_always and self.model.find_unused_parameters:
             self.model = self._ddp(self.model.module, find_unused=False)
 
     @property
@@ -118,6 +137,15 @@ class Engine:
     def forward(self, *args: Tensor) -> Tensor:
         if self.ddp and torch.is_grad_enabled():  # DDP's no_sync, for every micro-batch but the last
             self.model.require_backward_grad_sync = self._micro + 1 == self.accumulate
+            try:
+                return self.model(*args)
+            except RuntimeError as err:
+                if UNREDUCED not in str(err):
+                    raise
+                log.error("%s", UNUSED_LATER)  # from the rank that finds it, which may not be rank 0
+                refused = ConfigError(UNUSED_LATER)
+                refused.reported = True  # type: ignore[attr-defined]
+                raise refused from err
         return self.model(*args)
 
     def backward(self, loss: Tensor) -> None:

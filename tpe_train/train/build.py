@@ -75,4 +75,5 @@ def engine_options(cfg: Config, deepspeed: dict[str, Any] | None) -> dict[str, A
         "deepspeed": deepspeed,
         "loss_scale": 2.0**cfg.train.loss_scale_power if fp16 else None,
         "scale_window": cfg.train.loss_scale_window,
+        "find_unused": cfg.parallel.find_unused,
     }
