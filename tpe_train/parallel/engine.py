@@ -30,8 +30,8 @@ UNUSED_LATER = (
     "gradient (parallel.find_unused=first_step) and could not average the gradients of that step. The "
     "model uses different parameters in different steps (a module only some batches reach). Set "
     "parallel.find_unused=always, which searches in every step, or train under DeepSpeed "
-    "(configs/accelerate/cpu_zero2.yaml and its GPU twins); resuming from the last checkpoint loses "
-    "nothing."
+    "(configs/accelerate/cpu_zero2.yaml and its GPU twins), and resume from a checkpoint saved before "
+    "that last step (which updated each rank with its own gradients; the earlier ones are whole)."
 )
 
 
